@@ -84,6 +84,20 @@ def test_the_template_is_a_files_text_or_the_text_given(template_file, monkeypat
     assert settings_from_args({}).chat_template is None
 
 
+def test_a_template_file_saved_with_a_byte_order_mark_is_read_without_it(tmp_path, smollm2_tokenizer):
+    """Some editors save UTF-8 with a BOM: read as text, it was the first thing of every prompt."""
+    from launcher.serving.chat_template import use_chat_template
+    from launcher.serving.server_settings import settings_from_args
+
+    marked = tmp_path / "bom.jinja"
+    marked.write_text(TEMPLATE, encoding="utf-8-sig")
+    template = settings_from_args({"chat_template": str(marked)}).chat_template
+    assert template == TEMPLATE
+    server = scripted_server(use_chat_template(copy.deepcopy(smollm2_tokenizer), template), "Blue.")
+    tokens = answer(server, "/tokenize", {"model": MODEL, "messages": CHAT})["tokens"]
+    assert smollm2_tokenizer.decode(tokens) == "[user] Name a colour.\n[assistant] "
+
+
 def _bad_templates(tmp_path: Path) -> list[tuple[object, str]]:
     """(value, words its refusal holds after the name and value) for every kind of bad value."""
     empty, spaces, broken, latin = (tmp_path / name for name in ("empty.jinja", "spaces.jinja", "broken.jinja",

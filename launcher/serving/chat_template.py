@@ -137,7 +137,8 @@ def read_chat_template(value, name: str = "chat_template") -> str:
 def _template_text(value: str, name: str) -> tuple[str, str]:
     """(the template text, how refusals name where it came from)."""
     try:
-        with open(value, encoding="utf-8") as file:
+        # utf-8-sig: a byte order mark some editors write would otherwise reach every prompt as text
+        with open(value, encoding="utf-8-sig") as file:
             return file.read(), f"file {value}"
     except UnicodeDecodeError as err:
         raise ValueError(f"{name} (file {value}) is no UTF-8 text ({err.reason} at byte {err.start}); save the "

@@ -742,7 +742,8 @@ def _replayed(request: Request, raw: bytes) -> Request:
 
 SANITIZING_MARKS = ("\U000F0000", "\U000F0001")
 """The two code points transformers' sanitize_control_tokens marks text with (dropped from message
-text and its measure; refused inside lists and objects of chat_template_kwargs)."""
+text and its measure; refused inside lists and objects of chat_template_kwargs, and where a render
+writes them escaped: ESCAPED_MARKS)."""
 
 
 def _control_pattern(tokenizer, marks: bool = False) -> re.Pattern | None:
@@ -753,13 +754,15 @@ def _control_pattern(tokenizer, marks: bool = False) -> re.Pattern | None:
     return re.compile("|".join(parts)) if parts else None
 
 
-def _refuse_control_tokens_in_nested_values(tokenizer, template_kwargs: dict | None) -> None:
+def _refuse_control_tokens_in_nested_values(tokenizer, template_kwargs: dict | None,
+                                            where: str = "chat_template_kwargs") -> None:
     """ProtocolError naming a string inside a list or object of chat_template_kwargs that holds a
     control token (or one of the two code points sanitizing marks text with): sanitize_control_tokens
     marks such strings, but a template printing the list or object itself (`{{ value }}`) writes its
     repr, in which the marks become escapes and the control token is encoded as the token itself.
-    A top-level string value stays marked, and is taken."""
-    nested = [(value, f"chat_template_kwargs.{name}") for name, value in (template_kwargs or {}).items()
+    A top-level string value stays marked, and is taken. `where`: how the refusal names the variables
+    (the request's field, or the server's defaults' flag)."""
+    nested = [(value, f"{where}.{name}") for name, value in (template_kwargs or {}).items()
               if isinstance(value, (list, dict))]
     if not nested:
         return
@@ -775,6 +778,117 @@ def _refuse_control_tokens_in_nested_values(tokenizer, template_kwargs: dict | N
             nested.extend((inner, f"{path}.{key}") for key, inner in item.items())
         elif isinstance(item, list):
             nested.extend((inner, f"{path}.{i}") for i, inner in enumerate(item))
+
+
+ESCAPED_MARKS = ((r"\U000f0000", r"\udb80\udc00", r"\xf3\xb0\x80\x80"),
+                 (r"\U000f0001", r"\udb80\udc01", r"\xf3\xb0\x80\x81"))
+"""How the two sanitizing marks (SANITIZING_MARKS: start, end) are spelt once a template prints the
+list or object holding a marked string: Python's repr (`{{ tools }}`, `{{ message }}`, `| string`,
+`| pprint`), JSON with ensure_ascii (`tojson(ensure_ascii=True)`: a surrogate pair) and the repr of
+its UTF-8 bytes. Spelt so, a mark is text, and the control token between two of them reaches the
+model as the token itself."""
+
+
+ESCAPED_START = re.compile("(?i:" + "|".join(re.escape(spelling) for spelling in ESCAPED_MARKS[0]) + ")")
+"""Any spelling of the escaped start mark."""
+
+
+def _escaped_marks_pattern(tokenizer) -> re.Pattern | None:
+    """A pattern of a control token between an escaped start mark and an escaped end mark (group 1:
+    the token), exactly as a printed container writes a marked string's token; None without control
+    tokens. Only a token directly between them matches: text a client wrote that merely looks like an
+    escape (`\\U000f0000`) is refused only where it would bring a real token about."""
+    control = _control_pattern(tokenizer)
+    if control is None:
+        return None
+    start, end = ("|".join(re.escape(spelling) for spelling in spellings) for spellings in ESCAPED_MARKS)
+    return re.compile(f"(?i:{start})({control.pattern})(?i:{end})")
+
+
+def _refuse_control_tokens_written_escaped(tokenizer, marked_prompt: str) -> None:
+    """ProtocolError where the marked render (_render_marked) holds a control token between escaped
+    marks: the template printed a list or object (the tools, a tool call's arguments, which the
+    server hands over as an object, a whole message) without tojson, so a control token inside one
+    of its strings would be encoded as the token itself, and the text could forge a turn."""
+    if not ESCAPED_START.search(marked_prompt):  # the common case, found without the control tokens' pattern
+        return
+    pattern = _escaped_marks_pattern(tokenizer)
+    found = pattern.search(marked_prompt) if pattern is not None else None
+    if found is not None:
+        raise ProtocolError(f"messages: the chat template prints a list or object (the tools, a tool call's "
+                            f"arguments or a whole message) without tojson, and a string inside it holds the control "
+                            f"token {found.group(1)!r}, which the model would read as the token itself, not as "
+                            f"text; leave control tokens out of those fields, or use a chat template that prints "
+                            f"such values with tojson", param="messages")
+
+
+RENDER_FLAGS = ("tools", "chat_template", "add_generation_prompt", "continue_final_message")
+"""apply_chat_template's own arguments among a render's keyword arguments: the rest are the
+template's variables (chat_template_kwargs), which sanitizing marks as it marks messages."""
+
+
+def _render_marked(tokenizer, messages: list[dict], rendering: dict) -> str:
+    """The chat's text as the sanitized tokenizing renders it (control tokens inside the messages,
+    tools and template variables wrapped in the sanitizing marks), by transformers' own marking (a
+    method of its tokenizer's, not its public API: the version constraints.txt pins, which the chat
+    tests render through), so that what the template does with marked text (print it inside a
+    container) can be seen. Called
+    under the replica's encoding lock and control_tokens_for, as the tokenizing render is."""
+    tools = rendering.get("tools")
+    template = tokenizer.get_chat_template(rendering.get("chat_template"), tools)
+    variables = {name: value for name, value in rendering.items() if name not in RENDER_FLAGS}
+    chats, tools, _, variables = tokenizer._mark_chat_inputs(template, [messages], tools, None, variables,
+                                                             True, False)
+    flags = {name: value for name, value in rendering.items() if name in RENDER_FLAGS}
+    return tokenizer.apply_chat_template(chats[0], tokenize=False, **{**flags, **variables,
+                                                                       **({"tools": tools} if tools else {})})
+
+
+def _thinking_split_off(messages: list[dict]) -> list[dict]:
+    """The messages with an assistant's thinking, sent inside its content (`<think>...</think>answer`)
+    and in no reasoning field, handed to the template as its reasoning, split as Qwen3-style templates
+    split it (the thinking before the first `</think>`, after its last `<think>`; the answer after the
+    last `</think>`; newlines at the seams dropped). Sanitizing marks those tags as text, and the
+    template's own split of the marked content then left the marks' newlines in place
+    (`<|im_start|>assistant\n\n\nIt is 4.` where an unsanitized render has one newline)."""
+    split = []
+    for message in messages:
+        content = message.get("content")
+        if (message.get("role") != "assistant" or not isinstance(content, str) or THINK_END not in content
+                or message.get("reasoning") is not None or message.get("reasoning_content") is not None):
+            split.append(message)
+            continue
+        thinking = content.split(THINK_END)[0].rstrip("\n").split(THINK_START)[-1].lstrip("\n")
+        answer = content.split(THINK_END)[-1].lstrip("\n")
+        split.append({**message, "content": answer, "reasoning": thinking, "reasoning_content": thinking})
+    return split
+
+
+def _splits_thinking(tokenizer, template: str | None, tools: list[dict] | None) -> bool:
+    """Whether sanitizing would mark the `</think>` a template splits assistant content at: the
+    tokenizer has it as an added token and the rendering template writes it. Other models' messages
+    go to their templates unchanged."""
+    if THINK_END not in tokenizer.added_tokens_encoder:
+        return False
+    try:
+        return THINK_END in tokenizer.get_chat_template(template, tools)
+    except ValueError:  # no template to render with: refused where it renders
+        return False
+
+
+def _template_defaults_problem(tokenizer, defaults: dict | None, flag: str) -> str | None:
+    """Why the server's default template variables (`flag`: --default-chat-template-kwargs, or the
+    app's argument) would refuse every chat request, or None: a control token in a key, or inside a
+    list or object (the request's own chat_template_kwargs are refused so). Checked at start, where
+    the tokenizer is known: the settings' own check has none."""
+    if not defaults:
+        return None
+    try:
+        _refuse_control_token_keys(tokenizer, [], None, defaults, where=flag)
+        _refuse_control_tokens_in_nested_values(tokenizer, defaults, where=flag)
+    except ProtocolError as err:
+        return f"{err.message} (as it stands, every chat request would be refused)"
+    return None
 
 
 def _installed_version() -> str:
@@ -817,12 +931,13 @@ def _reasoning_total(renders: list) -> int | None:
 
 
 def _refuse_control_token_keys(tokenizer, messages: list[dict], tools: list[dict] | None,
-                               template_kwargs: dict | None = None) -> None:
+                               template_kwargs: dict | None = None, where: str = "chat_template_kwargs") -> None:
     """ProtocolError naming the object whose key holds one of the tokenizer's control tokens, in the tools,
     a message's tool call arguments or chat_template_kwargs: sanitize_control_tokens marks only strings
-    that are values, so a key would be encoded as the control token itself (launcher/serving/tool_calls.py)."""
+    that are values, so a key would be encoded as the control token itself (launcher/serving/tool_calls.py).
+    `where`: how the refusal names the template variables (the request's field, or the server's defaults' flag)."""
     holders = [(tool, f"tools.{i}") for i, tool in enumerate(tools or ())]
-    holders += [(template_kwargs, "chat_template_kwargs")] if template_kwargs else []
+    holders += [(template_kwargs, where)] if template_kwargs else []
     holders += [(call["function"]["arguments"], f"messages.{i}.tool_calls.{j}.function.arguments")
                 for i, message in enumerate(messages) for j, call in enumerate(message.get("tool_calls") or ())]
     control = _control_pattern(tokenizer) if holders else None
@@ -953,6 +1068,12 @@ class OpenAIServer:
         # renders a chat.
         self.tokenizer = use_chat_template(own_tokenizer.result(), settings.chat_template)
         self.server_template = settings.chat_template is not None
+        defaults_flag = ("--default-chat-template-kwargs" if settings.from_command_line
+                         else "default_chat_template_kwargs")
+        bad_defaults = _template_defaults_problem(self.tokenizer, settings.default_chat_template_kwargs, defaults_flag)
+        if bad_defaults:  # the settings' check knows no tokenizer: refused here, not in every chat's 400
+            self.launcher.shutdown()
+            raise ValueError(bad_defaults)
         if self.server_template and not settings.from_command_line:  # `corelaunch serve` tried it before Ray
             warning = chat_template_warning(self.tokenizer, settings.chat_template, "the chat_template argument")
             if warning is not None:
@@ -1429,7 +1550,11 @@ class OpenAIServer:
         removes the reasoning of earlier assistant turns). Then the tokenizer's apply_chat_template
         tokenizes it with sanitize_control_tokens: a control token written inside a message's text
         (`<|im_start|>system`) is encoded as the plain text it is, so a message cannot forge a turn,
-        as no text sent to OpenAI's API can; only the template writes control tokens. (Encoded that
+        as no text sent to OpenAI's API can; only the template writes control tokens. A template that
+        prints a list or object holding such text without tojson would write it as the token itself:
+        that chat is refused (_refuse_control_tokens_written_escaped). An assistant's thinking sent
+        inside its content is split off first where the template splits at `</think>`
+        (_thinking_split_off), which it cannot do to marked tags. (Encoded that
         way, text has at least the tokens the probe counted, so a refusal still holds.) measured
         False (truncate_prompt_tokens): no such measure; the route keeps the prompt's last tokens. tools: the
         request's (launcher/serving/tool_calls.py), rendered by the template as its model expects them.
@@ -1447,16 +1572,22 @@ class OpenAIServer:
                 proto.check_utf8(message["name"], f"messages.{i}.name")
         _refuse_control_token_keys(self.tokenizer, messages, tools, template_kwargs)
         _refuse_control_tokens_in_nested_values(self.tokenizer, template_kwargs)
+        if self._chat_options and _splits_thinking(self.tokenizer, template, tools):
+            messages = _thinking_split_off(messages)  # before marking: no template splits marked tags as it means to
         rendering = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
                      "continue_final_message": continue_final_message, **({"tools": tools} if tools else {}),
                      **({"chat_template": template} if template is not None else {})}
         try:
-            with self._encoding:
-                prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, **rendering)
+            with self._encoding, control_tokens_for(self.tokenizer, template):
+                # sanitizing: rendered marked, as it will be tokenized, to see where the template printed marks
+                prompt = (_render_marked(self.tokenizer, messages, rendering) if self._chat_options
+                          else self.tokenizer.apply_chat_template(messages, tokenize=False, **rendering))
         except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's
             raise self._template_refused(err, template is not None) from None
-        if self._chat_options:  # sanitizing drops the two marker code points from message text: so
-            prompt = prompt.translate(dict.fromkeys(map(ord, SANITIZING_MARKS)))  # so does the measure (9000 refused a short chat)
+        if self._chat_options:
+            _refuse_control_tokens_written_escaped(self.tokenizer, prompt)
+            # the marks are no text the model reads: the measure drops them (9000 refused a short chat)
+            prompt = prompt.translate(dict.fromkeys(map(ord, SANITIZING_MARKS)))
         if measured:
             self._refuse_if_it_cannot_fit(prompt, "the chat prompt (the messages in the model's chat template)",
                                           "messages", special_tokens=False)
