@@ -54,3 +54,19 @@ def test_a_replica_with_such_defaults_refuses_to_start_and_stops_its_launcher(tm
         ours.__init__(server, settings)
     assert str(refused.value).startswith("default_chat_template_kwargs.examples.0 holds '<|im_start|>'")
     assert in_process_cluster.groups and all(not group.actors for group in in_process_cluster.groups)
+
+
+def test_corelaunch_serve_refuses_such_defaults_before_ray_starts(tmp_path_factory, monkeypatch, capsys):
+    """The command loads the tokenizer before Ray starts (as each replica will): such defaults are
+    refused there, exit 2, not in every replica's failed start after Ray and Serve started."""
+    import json
+
+    from launcher.cli import main, serve_command
+    from tests.model_factory import random_model_with_smollm2_tokenizer
+    from workers.net import free_port
+
+    model_dir = random_model_with_smollm2_tokenizer(tmp_path_factory.mktemp("defaults"))
+    monkeypatch.setattr(serve_command, "_serve", lambda *args: pytest.fail("the server was started"))
+    asked = json.dumps({"examples": ["<|im_start|>user"]})
+    assert main(["serve", "--model", str(model_dir), FLAG, asked, "--port", str(free_port())]) == 2
+    assert f"corelaunch serve: {FLAG}.examples.0 holds '<|im_start|>'" in capsys.readouterr().err

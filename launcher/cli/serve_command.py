@@ -307,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         from launcher.api import server_tokenizer_problem
+        from launcher.serving.openai_app import _template_defaults_problem
         from launcher.serving.server_settings import SERVER_ARGS, settings_from_args
 
         # the server's own arguments named as this command's flags (max_replicas -> --max-replicas)
@@ -321,6 +322,12 @@ def run(args: argparse.Namespace) -> int:
         # every replica's start, after Ray and Serve had started, with only Serve's words at the end.
         tokenizer = _chat_tokenizer(model_dir, settings.chat_template)
         no_chat = not has_default_chat_template(tokenizer)
+        # the control tokens of --default-chat-template-kwargs, known with the tokenizer only: each
+        # replica refuses them at its start too, after Ray and Serve had started
+        bad_defaults = _template_defaults_problem(tokenizer, settings.default_chat_template_kwargs,
+                                                  "--default-chat-template-kwargs")
+        if bad_defaults:
+            raise ValueError(bad_defaults)
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
         print(f"corelaunch serve: {with_flag_name(err, args)}", file=sys.stderr)
         return 2
