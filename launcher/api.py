@@ -1035,7 +1035,7 @@ class Launcher:
                                                           self.model_dir, self.model_config, spec.layout, plan.dtype)
             why = presharded_cache.untrusted(self._cache_path)
             if why is not None:  # another user's copy under this name could be any weights
-                self._progress.note(f"not using the pre-sharded cache ({why}); loading from {self.model_dir}")
+                self._progress.note(f"not using the pre-sharded cache, loading from {self.model_dir}: {why}")
                 self._cache_path = None  # nor writing it: the writer would refuse for the same reason
             elif presharded_cache.is_ready(self._cache_path):
                 pinned = self._pin_cache_version(self._cache_path)

@@ -163,6 +163,17 @@ WRITE_ONLY_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 file name (a write to an open file carries none) is the output's, never an input's read."""
 
 
+def write_refusal_fix(number: int) -> str:
+    """The way out of a write refused with WRITE_ONLY_ERRNOS' `number`, for the end of a "could not
+    write --out OUT (...)" refusal: another path in a directory one can write to does not help a
+    full disk on the same one."""
+    if number == errno.EFBIG:  # the process's file size limit, whatever the disk
+        return "raise the file size limit (`ulimit -f`), or pass a path on another disk"
+    if number == errno.EDQUOT:
+        return "free space within your disk quota, or pass a path on another disk"
+    return "free space, or pass a path on another disk"
+
+
 def out_dir_failure(out_dir: str | Path, err: OSError) -> str | None:
     """What an OSError says when it is a failed write of out_dir (names_out_dir of its filename, or
     a parent make_parents could not create, or a write-only failure of no file: WRITE_ONLY_ERRNOS),

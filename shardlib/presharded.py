@@ -227,15 +227,18 @@ def _check_layout_values(manifest: dict[str, Any], path: Path) -> None:
 
 
 def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLayout, rank: int,
-                    dtype: str | None = None, *, verify_sha256: bool = False) -> dict[str, torch.Tensor]:
+                    dtype: str | None = None, *, verify_sha256: bool = False,
+                    fix: str | None = None) -> dict[str, torch.Tensor]:
     """This rank's shard from a pre-sharded directory: the same dict load_rank_shard returns.
 
     ValueError when the manifest was written for other settings than (config, layout, dtype), and
     when the rank's file does not match its manifest entry: a path outside the directory, another
     tensor name, dtype or shape, size or sha256. The sha256 is computed when no valid marker says a
-    load already verified this very file (or always, with `verify_sha256`).
+    load already verified this very file (or always, with `verify_sha256`). fix: how to replace a
+    file damaged in place, for those messages (default: damaged_copy_fix).
     """
     shown = _shown(directory)
+    fix = fix or damaged_copy_fix(directory)
     check_layout(config, layout, rank)
     root = Path(directory).resolve()  # one version throughout, even when a writer swaps the link meanwhile
     manifest = read_manifest(root, shown=shown)
@@ -243,23 +246,23 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
     path, shown_path, entry = _rank_file(manifest, root, shown, rank)
     _check_rank_of_file(path, shown_path, rank, layout.tp_degree)
     size = path.stat().st_size
-    size_error = _size_error(shown_path, size, entry)
+    size_error = _size_error(shown_path, size, entry, fix)
     try:
         reader = SafetensorsFile(path)
     except ValueError:
         if size != entry["bytes"]:
             raise size_error from None
         raise
-    _check_tensors(reader, shown_path, entry, manifest["dtype"], shard_shapes(config, layout, rank), rank)
+    _check_tensors(reader, shown_path, entry, manifest["dtype"], shard_shapes(config, layout, rank), rank, fix)
     if size != entry["bytes"]:
         raise size_error
-    _check_sha256(path, shown_path, entry, force=verify_sha256)
+    _check_sha256(path, shown_path, entry, force=verify_sha256, fix=fix)
     with reader:
         return {name: reader.read(name, _WHOLE) for name in sorted(reader.entries, key=lambda n: reader.entries[n].begin)}
 
 
 def check_presharded_dir(directory: str | Path, config: ModelConfig, layout: ShardLayout,
-                         dtype: str | None = None) -> None:
+                         dtype: str | None = None, *, fix: str | None = None) -> None:
     """What load_presharded checks before it reads a tensor, for every rank at once and without
     torch: the manifest, its settings against (config, layout, dtype), each rank's file present,
     inside the directory and of the recorded size. The driver runs it before any process starts
@@ -273,7 +276,7 @@ def check_presharded_dir(directory: str | Path, config: ModelConfig, layout: Sha
         path, shown_path, entry = _rank_file(manifest, root, shown, rank)
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise _size_error(shown_path, size, entry)
+            raise _size_error(shown_path, size, entry, fix or damaged_copy_fix(directory))
 
 
 def _shown(directory: str | Path) -> Path:
@@ -372,9 +375,22 @@ def _rank_file(manifest: dict[str, Any], root: Path, shown: Path, rank: int) -> 
     return path, shown_path, entry
 
 
-def _size_error(shown_path: Path, size: int, entry: dict) -> ValueError:
+def damaged_copy_fix(directory: str | Path) -> str:
+    """How to replace a file of `directory` damaged in place. A compiled directory's weights/ (next
+    to its manifest and model/) were told to "write the pre-sharded checkpoint again", which no
+    user of --compiled ever wrote: its fix is the directory copied again, or compiled again."""
+    root = Path(directory)
+    compiled = root.parent
+    if root.name == "weights" and (compiled / MANIFEST).is_file() and (compiled / "model").is_dir():
+        shown = linking_out_dir(compiled) or compiled
+        return (f"copy the compiled directory {shown} again (cp -rL: links followed), or run "
+                f"`corelaunch compile --out {shown}` again")
+    return "copy it again or write the pre-sharded checkpoint again"
+
+
+def _size_error(shown_path: Path, size: int, entry: dict, fix: str) -> ValueError:
     return ValueError(f"{shown_path} has {size} bytes but {MANIFEST} records {entry['bytes']}: it was "
-                      f"truncated or modified; copy it again or write the pre-sharded checkpoint again")
+                      f"truncated or modified; {fix}")
 
 
 def _check_rank_of_file(path: Path, shown_path: Path, rank: int, tp_degree: int) -> None:
@@ -418,11 +434,11 @@ def _inside(root: Path, shown: Path, name: str) -> Path:
 
 
 def _check_tensors(reader: SafetensorsFile, shown_path: Path, entry: dict, manifest_dtype: str,
-                   want: dict[str, tuple[int, ...]], rank: int) -> None:
+                   want: dict[str, tuple[int, ...]], rank: int, damaged_fix: str) -> None:
     """The header's tensors against the manifest's record (names, dtypes, shapes) and the config's shapes."""
     found = {name: (_dtype_name(e.dtype), e.shape) for name, e in reader.entries.items()}
     recorded = {name: (r["dtype"], tuple(r["shape"])) for name, r in entry.get("tensors", {}).items()}
-    fix = f"it was re-saved or modified; copy it again or write the pre-sharded checkpoint again"
+    fix = f"it was re-saved or modified; {damaged_fix}"
     for name, (dtype, shape) in found.items():
         if name in recorded:
             expected = recorded[name][0]
@@ -450,7 +466,7 @@ def _check_tensors(reader: SafetensorsFile, shown_path: Path, entry: dict, manif
                          f"write the pre-sharded checkpoint again")
 
 
-def _check_sha256(path: Path, shown_path: Path, entry: dict, force: bool) -> None:
+def _check_sha256(path: Path, shown_path: Path, entry: dict, force: bool, fix: str) -> None:
     """Hash the file unless its marker (same sha256, size, mtime, ctime, inode) says a load did;
     record the marker after a match (where the directory is writable)."""
     marker = verified_marker(path)
@@ -464,8 +480,7 @@ def _check_sha256(path: Path, shown_path: Path, entry: dict, force: bool) -> Non
     if _sha256(path) != entry["sha256"]:
         with contextlib.suppress(OSError):
             marker.unlink(missing_ok=True)
-        raise ValueError(f"{shown_path} does not match the sha256 in {MANIFEST}: it is corrupt; copy it again "
-                         f"or write the pre-sharded checkpoint again")
+        raise ValueError(f"{shown_path} does not match the sha256 in {MANIFEST}: it is corrupt; {fix}")
     # A fresh name, created here (O_EXCL) and never through a symlink: a fixed name planted as a
     # symlink had the marker written into its target, any file the loading user could write.
     tmp = marker.with_name(f"{marker.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")

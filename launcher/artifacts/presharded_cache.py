@@ -12,7 +12,8 @@ of one wrote another full copy of the model beside the first.
 The copy is written by the driver in a background thread after the first load (one rank's shard in
 memory at a time, written to a hidden versioned folder that the cache path, a symlink, is switched to
 in one rename once complete: shardlib.atomic_dir; a half-written copy is never used, and one left by
-a killed driver is swept by the next write). It costs the model's size again on disk. On a multi-node cluster the cache directory
+a killed driver is swept by the next write). A launch that finds another one writing the same
+copy leaves it to that one and never waits for it. It costs the model's size again on disk. On a multi-node cluster the cache directory
 must be visible at the same path on every node, like the model directory itself.
 
 The key is made of things any user can read, so in a cache other users can write to, a copy with
@@ -61,8 +62,18 @@ def untrusted(path: Path) -> str | None:
             continue  # a link's own mode is always 0777: only its owner counts
         why = untrusted_stat(st)
         if why is not None:
-            return f"{what} ({where}): {why}"
+            return f"{what} ({where}): {why}; {_trust_fix(where, st)}"
     return None
+
+
+def _trust_fix(where: Path, st: os.stat_result) -> str:
+    """The way out of untrusted()'s refusal of `where`. A folder the user made with umask 002 (mode
+    775) was never used, the note naming the mode but not what to do."""
+    elsewhere = ("pass a folder only you can write (presharded_cache_dir, or CORELAUNCH_CACHE for the default; "
+                 "a missing one is created 0700)")
+    if st.st_uid != os.getuid():  # chmod is the owner's: only another folder helps
+        return elsewhere
+    return f"`chmod go-w {where}`, or {elsewhere}"
 
 
 def cache_dir(root: Path, model_dir: str | Path, config, layout, dtype: str) -> Path:
@@ -176,7 +187,7 @@ class CacheWriter:
         self._thread.join(timeout_s)
 
     def _write(self) -> None:
-        from filelock import FileLock
+        from filelock import FileLock, Timeout
 
         from shardlib.presharded import save_presharded
 
@@ -186,15 +197,31 @@ class CacheWriter:
             why = untrusted(self.path)
             if why is not None:
                 raise PermissionError(f"not writing the pre-sharded cache: {why}")
-            with FileLock(str(self.path) + ".lock"):  # one writer per copy, even across launchers
+            # One writer per copy, even across launchers, and never waited for: a launch that found
+            # another one writing the copy waited at its shutdown (up to CACHE_WRITE_WAIT_S) for a
+            # copy it was not writing. That launch writes it; this one loads it once it is there.
+            lock = FileLock(str(self.path) + ".lock", timeout=0)
+            try:
+                lock.acquire()
+            except Timeout:
+                self._leave_to_the_other_writer()
+                return
+            try:
                 if self._force or not is_ready(self.path) or unusable(self.path, model_dir) is not None:
                     _unlink_unreadable_copy(self.path)
                     save_presharded(self.path, model_dir, config, layout, dtype=dtype)
+            finally:
+                lock.release()
         except BaseException as err:  # noqa: BLE001 - a cache that cannot be written is only slower
             self.error = err
             if self._note is not None:
                 self._note(f"the pre-sharded cache copy {self.path} was not written ({type(err).__name__}: "
                            f"{err}); launches load from the checkpoint until it is")
+
+    def _leave_to_the_other_writer(self) -> None:
+        if self._note is not None:
+            self._note(f"another launch is writing the pre-sharded cache copy {self.path}; this one leaves it to "
+                       f"that launch and loads from the checkpoint until the copy is there")
 
 
 def _unlink_unreadable_copy(path: Path) -> None:

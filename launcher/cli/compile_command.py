@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import sys
 import threading
@@ -75,24 +76,33 @@ def bucket_options(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from launcher.cli.exit_codes import exit_code_for
+    from launcher.cluster.tp_group import RankWriteRefused
     from launcher.errors import LaunchError
-    from shardlib.atomic_dir import out_dir_failure
+    from shardlib.atomic_dir import WRITE_ONLY_ERRNOS, out_dir_failure, write_refusal_fix
 
     try:
         manifest = compile_model(args)
     except OSError as err:
         # --out itself, inside it, the version written beside it or a missing parent folder of it
         # (shardlib/atomic_dir.py): a place the up-front look passed but the filesystem refused
-        # (/proc, /sys, read-only mounts)
+        # (/proc, /sys, read-only mounts, a full disk)
         failure = out_dir_failure(args.out, err)
         if failure is not None:
-            print(f"corelaunch compile: could not write --out {args.out} ({failure}); pass a new path in a "
-                  f"directory you can write to", file=sys.stderr)
+            fix = (write_refusal_fix(err.errno) if err.errno in WRITE_ONLY_ERRNOS
+                   else "pass a new path in a directory you can write to")
+            print(f"corelaunch compile: could not write --out {args.out} ({failure}); {fix}", file=sys.stderr)
             return 2
         if isinstance(err, BrokenPipeError):
             raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
         print(f"corelaunch compile: {with_flag_name(err, args)}", file=sys.stderr)
         return exit_code_for(err)
+    except RankWriteRefused as err:
+        # the ranks write nothing but the compile cache, which lives inside --out's version
+        # (compiled_dir.cache_dir): a full disk there said "rank 0 failed to ...", exit 3
+        what = "building the graphs into its cache" if err.building_graphs else "writing into it"
+        print(f"corelaunch compile: could not write --out {args.out} ({os.strerror(err.write_errno)} while {what}); "
+              f"{write_refusal_fix(err.write_errno)}", file=sys.stderr)
+        return 2
     except (ValueError, LaunchError) as err:  # a plan refusal in compile's options, as generate says it
         print(f"corelaunch compile: {without_nodes_ways(in_generate_flags(with_flag_name(err, args)), 'compile')}",
               file=sys.stderr)

@@ -15,6 +15,7 @@ co-located ranks can use a faster path.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -46,6 +47,13 @@ _RANK_TIMEOUT_MARGIN_S = 5.0
 # While serving, how often the driver asks Ray whether a rank's loop has ended (a follower that dies
 # is noticed here; rank 0's own end also closes its event stream).
 _LOOP_CHECK_S = 0.25
+
+LOAD_STEP = "load its shard"
+LOAD_AND_BUILD_STEP = "load its shard and build its graphs"
+GRAPH_STEP = "build its graphs"
+"""What a rank's load was doing: a load with warm-up (`corelaunch compile`) reads the shard, then
+builds every bucket's graphs, the longer part, which a timeout names; a graph builder's error (the
+compiler's, or a write of its cache) names GRAPH_STEP, whichever of the two was asked."""
 
 
 def placed_by_now(ready: ray.ObjectRef, timeout_s: float) -> bool:
@@ -325,8 +333,8 @@ class TPGroup:
             )
 
     def load(self, spec: LoadSpec) -> list[LoadStats]:
-        return self._wait_all([a.load.remote(spec) for a in self.actors], self.timeouts.load_s,
-                              "load its shard")
+        step = LOAD_AND_BUILD_STEP if spec.compile and spec.warm_up else LOAD_STEP
+        return self._wait_all([a.load.remote(spec) for a in self.actors], self.timeouts.load_s, step)
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, request: GenerateRequest):
@@ -641,7 +649,8 @@ class TPGroup:
                 f"{who} did not start within {timeout_s:g} s (starting a worker process and importing the "
                 f"backend, torch with it, there); the group was stopped. On a busy machine raise startup_timeout_s "
                 f"(--startup-timeout); otherwise check that node (ray status, its worker logs: ray logs)")
-        raise_it = {"load its shard": "load_timeout_s (--load-timeout)", "prepare serving": "load_timeout_s (--load-timeout)",
+        raise_it = {LOAD_STEP: "load_timeout_s (--load-timeout)", LOAD_AND_BUILD_STEP: "load_timeout_s (--load-timeout)",
+                    "prepare serving": "load_timeout_s (--load-timeout)",
                     # rank 0's first call, under the rendezvous timeout (TPGroup._start)
                     "choose a rendezvous port": "rendezvous_timeout_s (--rendezvous-timeout)"}.get(step, "the timeout")
         return RendezvousTimeout(
@@ -699,18 +708,65 @@ def _result_not_returned(where: str, step: str, err: Exception) -> RankFailed:
                       f"{lines[0] if lines else ''}); the group was stopped")
 
 
+class RankWriteRefused(RankFailed):
+    """A rank's write the filesystem refused (a full disk, a file size limit, a quota: one of
+    WRITE_ONLY_ERRNOS), most often the compile cache while it built its graphs. `write_errno` says
+    which, so a caller that knows where the rank writes (`corelaunch compile`: into --out) can name
+    that place and the fix instead of a group fault."""
+
+    def __init__(self, message: str, write_errno: int, building_graphs: bool) -> None:
+        super().__init__(message)
+        self.write_errno = write_errno
+        self.building_graphs = building_graphs
+
+
 def _rank_failure(where: str, step: str, err: Exception) -> Exception:
     """The error to raise on the driver for an exception raised inside a rank.
 
     The user's mistakes (a bad checkpoint, a bad value) keep their type so callers can catch them;
-    anything else is a RankFailed (a group fault: restarting the group may cure it). Both name the
-    rank and its node.
+    a write the filesystem refused is a RankWriteRefused; anything else is a RankFailed (a group
+    fault: restarting the group may cure it). All name the rank and its node.
     """
     cause = getattr(err, "cause", None) or err
+    building = _from_the_graph_builder(cause)
+    if step in (LOAD_STEP, LOAD_AND_BUILD_STEP) and building:
+        step = GRAPH_STEP
     message = f"{where} failed to {step}: {cause}"
     if isinstance(cause, (ValueError, FileNotFoundError)):
         try:
             return type(cause)(message)
         except Exception:  # noqa: BLE001 - a subclass whose constructor takes more (JSONDecodeError, UnicodeDecodeError)
             return (FileNotFoundError if isinstance(cause, FileNotFoundError) else ValueError)(message)
+    refused = _write_errno(err, cause, building)
+    if refused is not None:
+        return RankWriteRefused(message + "; the group was stopped", refused, building)
     return RankFailed(message + "; the group was stopped")
+
+
+_GRAPH_BUILDER_MODULES = ("torch._dynamo", "torch._inductor")
+"""Where the errors of building a graph come from (the compiler's own, and a cache write of it)."""
+
+
+def _from_the_graph_builder(cause: BaseException) -> bool:
+    return type(cause).__module__.startswith(_GRAPH_BUILDER_MODULES)
+
+
+def _write_errno(err: BaseException, cause: BaseException, building: bool) -> int | None:
+    """The WRITE_ONLY_ERRNOS number of a write refused inside the rank, else None. Found on an
+    OSError in the exception's chain (a rank's thread, or the OSError itself); a graph builder's
+    error also by its words, since it wraps the OSError (or the linker's output, "ld: final link
+    failed: No space left on device", which is no OSError at all) and Ray's copy of an exception
+    keeps its text but not its chain."""
+    from shardlib.atomic_dir import WRITE_ONLY_ERRNOS
+
+    seen: set[int] = set()
+    link: BaseException | None = cause
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno in WRITE_ONLY_ERRNOS:
+            return link.errno
+        link = link.__cause__ or link.__context__
+    if building:
+        text = f"{cause}\n{err}"  # a RayTaskError's text holds the rank's whole traceback, chain included
+        return next((number for number in WRITE_ONLY_ERRNOS if os.strerror(number) in text), None)
+    return None
