@@ -82,16 +82,23 @@ def _schema_text(schema) -> str:
     if not isinstance(parsed, Mapping):
         raise ValueError(f"json schema {_short(parsed)} must be a JSON object (a mapping such as "
                          f"{{\"type\": \"object\", \"properties\": ...}}); for any JSON object use json_object=True")
+    text = _json_text(parsed)
+    parts = list(_schema_parts(parsed))
+    _refuse_what_llguidance_misreads(parts)
+    return _without_annotation_formats(text) if any(map(_annotation_format, parts)) else text
+
+
+TOO_DEEP = "json schema is nested too deeply to use (past Python's recursion limit); flatten it"
+
+
+def _json_text(schema: Mapping) -> str:
     try:
-        text = json.dumps(parsed, ensure_ascii=False, allow_nan=False)
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"json schema {_short(parsed)} cannot be written as JSON ({err})") from None
+        raise ValueError(f"json schema {_short(schema)} cannot be written as JSON ({err})") from None
     except RecursionError:  # a request body parsed it a few frames shallower: a 500, not a 400, before
         # (not shown: showing it recurses as deep)
-        raise ValueError("json schema is nested too deeply to use (past Python's recursion limit); "
-                         "flatten it") from None
-    _refuse_what_llguidance_misreads(parsed)
-    return text
+        raise ValueError(TOO_DEEP) from None
 
 
 EXACT_INTEGERS = 2 ** 53
@@ -111,30 +118,68 @@ PRIVATE_OPTIONS = "x-guidance"
 unsupported keywords silently ignored; whitespace_flexible: free whitespace back)."""
 
 
-def _refuse_what_llguidance_misreads(schema: Mapping) -> None:
-    """ValueError for what llguidance would read otherwise than the schema says: an integer past
-    2**53 under a number or value keyword (rounded), or its private "x-guidance" options. Walked by
-    keyword, so a property named "const" or "x-guidance" is a name, not a keyword; iterative, as
-    a schema may nest as deep as json.dumps took it."""
+ENFORCED_FORMATS = frozenset(("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
+                              "uri"))
+"""The string formats llguidance generates to (1.9's; tests/test_unenforced_schema_formats.py checks each still
+compiles). It refuses any other ("Unknown format: password"), yet JSON Schema makes `format` an
+annotation unless a validator opts in, and clients write others as a matter of course: OpenAPI's
+byte, binary and password, pydantic's password (SecretStr), path and json-string. Those are left
+out of the schema llguidance reads (_without_annotation_formats): the output is a plain string
+there, as the schema allows."""
+
+
+def _schema_parts(schema: Mapping):
+    """Each schema in `schema` (itself first) with its path ("#/properties/a"). Walked by keyword,
+    so a property named "const", "format" or "x-guidance" is a name, not a keyword, and values
+    (const, enum, default, examples) are never entered; iterative, as a schema may nest as deep as
+    json.dumps took it."""
     pending: list[tuple[object, str]] = [(schema, "#")]
     while pending:
         item, path = pending.pop()
         if not isinstance(item, Mapping):
             continue  # true/false, or a malformed part: llguidance's own check words it
-        if PRIVATE_OPTIONS in item:
-            raise ValueError(f"json schema has \"{PRIVATE_OPTIONS}\" at {path}: it is llguidance's private options "
-                             f"key, not a JSON Schema keyword (it would override the server's JSON options: "
-                             f"lenient, whitespace); remove it")
+        yield item, path
         for key, value in item.items():
             where = f"{path}/{key}"
-            if key in _NUMBER_KEYWORDS or key in _VALUE_KEYWORDS:
-                _refuse_inexact(value, where, key)
             if key in _SCHEMA_MAPS and isinstance(value, Mapping):
                 pending.extend((part, f"{where}/{name}") for name, part in value.items())
             elif key in _SCHEMA_LISTS and isinstance(value, list):
                 pending.extend((part, f"{where}/{i}") for i, part in enumerate(value))
             elif key in _SCHEMA_VALUES:
                 pending.append((value, where))
+
+
+def _refuse_what_llguidance_misreads(parts: list[tuple[Mapping, str]]) -> None:
+    """ValueError for what llguidance would read otherwise than the schema says: an integer past
+    2**53 under a number or value keyword (rounded), or its private "x-guidance" options. `parts`:
+    the schema's _schema_parts."""
+    for item, path in parts:
+        if PRIVATE_OPTIONS in item:
+            raise ValueError(f"json schema has \"{PRIVATE_OPTIONS}\" at {path}: it is llguidance's private options "
+                             f"key, not a JSON Schema keyword (it would override the server's JSON options: "
+                             f"lenient, whitespace); remove it")
+        for key, value in item.items():
+            if key in _NUMBER_KEYWORDS or key in _VALUE_KEYWORDS:
+                _refuse_inexact(value, f"{path}/{key}", key)
+
+
+def _annotation_format(part: tuple[Mapping, str]) -> bool:
+    """Whether a schema part's "format" is a string llguidance does not enforce (ENFORCED_FORMATS):
+    an annotation to leave out. A format that is not a string is left for llguidance to word."""
+    value = part[0].get("format")
+    return isinstance(value, str) and value not in ENFORCED_FORMATS
+
+
+def _without_annotation_formats(text: str) -> str:
+    """The schema's JSON text with each annotation format (_annotation_format) left out. Worked on a
+    copy read back from the text: the caller's schema is not changed."""
+    try:
+        owned = json.loads(text)
+    except RecursionError:  # read a few frames deeper than the caller's schema was written
+        raise ValueError(TOO_DEEP) from None
+    for item, _ in [part for part in _schema_parts(owned) if _annotation_format(part)]:
+        del item["format"]
+    return _json_text(owned)
 
 
 def _refuse_inexact(value, path: str, keyword: str) -> None:

@@ -188,6 +188,23 @@ def test_each_kind_is_matched_and_ends_the_request_beside_a_plain_one(wide_model
     assert out.tokens["plain"] == plain_alone  # another row's mask never reaches it
 
 
+def test_a_schema_with_an_annotation_format_generates_output_valid_by_the_schema_as_sent(wide_model,
+                                                                                        smollm2_tokenizer):
+    # format "password" (pydantic's SecretStr) is not one llguidance enforces: it refused the schema
+    # ("Unknown format: password"); it is left out as the annotation it is (test_unenforced_schema_formats.py)
+    schema = {"type": "object", "properties": {"key": {"type": "string", "format": "password", "maxLength": 3},
+                                               "ok": {"type": "boolean"}},
+              "required": ["key", "ok"], "additionalProperties": False}
+    tok = smollm2_tokenizer
+    requests = [structured(f"secret-{seed}", tok.encode("Answer:"), StructuredOutput(json=schema), temperature=1.0,
+                           seed=seed) for seed in (3, 4)]
+    out = run(fresh_loop(wide_model, tok), requests)
+    for r in requests:
+        text = tok.decode(out.tokens[r.request_id])
+        assert out.finish[r.request_id] == "stop", (r.request_id, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
 def test_a_resumed_request_goes_on_matching_from_its_delivered_tokens(wide_model, smollm2_tokenizer):
     tok = smollm2_tokenizer
     prompt = tok.encode("JSON please:")

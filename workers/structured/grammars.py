@@ -134,8 +134,25 @@ def lowest_allowed(mask: np.ndarray, but: Sequence[int] = ()) -> int | None:
     return int(words[0]) * 32 + (word & -word).bit_length() - 1
 
 
+OVERLAPPING_ONE_OF = ("oneOf whose branches can overlap is not supported: write anyOf (a value matching two "
+                      "branches is then allowed), or make the branches exclusive (a property each requires with a "
+                      "const of its own; for a oneOf of bare const values, write enum)")
+"""What llguidance's oneOf refusal means here. Its own words advise its coerce_one_of option, which
+a request cannot set (shardlib/structured_output.py refuses its "x-guidance" options key)."""
+
+_IN_OUR_WORDS = {"coerce_one_of": OVERLAPPING_ONE_OF}
+"""A word in one of llguidance's reasons -> the reason as this project gives it."""
+
+
 def short_problem(text: str) -> str:
     """llguidance's report on one line: its first line and its `error:` lines (the rest draws the
-    pattern with a caret under the place, or dumps the parser's state)."""
+    pattern with a caret under the place, or dumps the parser's state), each line that advises
+    what a request cannot do in our words (_IN_OUR_WORDS). Every route to a reason comes here: the
+    compile check (grammar_problem) and a matcher's error (matchers.error_of)."""
     lines = [line.strip() for line in text.strip().splitlines()]
-    return "; ".join([lines[0].rstrip(":")] + [line for line in lines[1:] if line.startswith("error:")])
+    kept = [lines[0].rstrip(":")] + [line for line in lines[1:] if line.startswith("error:")]
+    return "; ".join(_in_our_words(line) for line in kept)
+
+
+def _in_our_words(line: str) -> str:
+    return next((ours for word, ours in _IN_OUR_WORDS.items() if word in line), line)
