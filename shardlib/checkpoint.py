@@ -335,9 +335,10 @@ def _checked(ckpt: CheckpointFiles, files: dict[Path, SafetensorsFile | _PickleF
 
 
 def check_opened_checkpoint(ckpt: CheckpointFiles, config: ModelConfig) -> None:
-    """The checks a rank's load makes before reading a weight byte (a pickle's are mapped, not read),
-    and check_stored_copies' (a tied head or a second copy of a tensor that differs, by a few sampled
-    pages of each: the driver checked them only for safetensors, and a pickle's different head ran tied)."""
+    """The checks of a pickled checkpoint the driver makes before Ray starts, on its memory map (no
+    weight byte read but the sampled pages), and check_stored_copies' (a tied head or a second copy
+    of a tensor that differs: checked only for safetensors before, and a pickle's different head ran
+    tied)."""
     with _open_files(ckpt) as files:
         names = _checked(ckpt, files, config)
         stored = {path: {name: _stored_pickled(tensor) for name, tensor in file.tensors.items()}
@@ -353,7 +354,7 @@ def _stored_pickled(tensor: torch.Tensor) -> StoredTensor:
 def _sampled_tensor_bytes(tensor: torch.Tensor, count: int, size: int) -> bytes:
     """sampled_bytes of a (memory-mapped) tensor's bytes in row-major order: only the sampled pages
     are read from the file."""
-    flat = tensor.contiguous().reshape(-1).view(torch.uint8)  # contiguous: a view, nothing copied
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)  # a stored tensor is contiguous: a view
     length = flat.numel()
     if length <= count * size:
         return flat.numpy().tobytes()

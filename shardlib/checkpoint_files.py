@@ -339,11 +339,14 @@ def _refuse_differing_copies(ckpt: CheckpointFiles, stored: dict[Path, dict[str,
     """ValueError when a tensor the model reads is stored again, with other values, in a file other
     than the one the index maps it to: corelaunch read the index's copy while other loaders (transformers
     among them) may read the other, so the check's reference and the served model differed silently.
-    A second copy of the same values is harmless and passes."""
-    for name in names:
-        mapped = ckpt.weight_map[name]
-        for path, tensors in stored.items():
-            if path != mapped and name in tensors and not tensors[name].same_as(stored[mapped][name]):
+    A second copy of the same values is harmless and passes. Walked file by file, each file's names
+    against the needed ones (every needed name against every file took 2-3 s a launch for an index
+    of 37,000 tensors in 118 files)."""
+    needed = set(names)
+    for path, tensors in stored.items():
+        for name in needed.intersection(tensors):
+            mapped = ckpt.weight_map[name]
+            if path != mapped and not tensors[name].same_as(stored[mapped][name]):
                 raise ValueError(
                     f"tensor {name!r} is stored in both {mapped.name} and {path.name} of {ckpt.directory}, with "
                     f"different values: the index ({ckpt.index_file.name}) maps it to {mapped.name}, but another "

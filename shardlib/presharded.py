@@ -384,7 +384,7 @@ def damaged_copy_fix(directory: str | Path) -> str:
     if root.name == "weights" and (compiled / MANIFEST).is_file() and (compiled / "model").is_dir():
         shown = linking_out_dir(compiled) or compiled
         return (f"copy the compiled directory {shown} again (cp -rL: links followed), or run "
-                f"`corelaunch compile --out {shown}` again")
+                f"`corelaunch compile --out {shown}` again with the options it was compiled with")
     return "copy it again or write the pre-sharded checkpoint again"
 
 

@@ -68,7 +68,10 @@ def start_session_ray() -> None:
     time the other worker's multi-node tests record theirs while they build it."""
     import ray
 
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+    from shardlib.host_cpus import host_cpus
+
+    # the CPUs a private cluster of a launch declares (shardlib/host_cpus.py), which tests compare with
+    ray.init(address="local", num_cpus=host_cpus(), include_dashboard=False, log_to_driver=False,
              logging_level="ERROR")
 
 

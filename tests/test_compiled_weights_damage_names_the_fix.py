@@ -42,7 +42,7 @@ def _flip_a_byte(path: Path) -> None:
 
 def _compile_fix(compiled: Path) -> str:
     return (f"copy the compiled directory {compiled} again (cp -rL: links followed), or run "
-            f"`corelaunch compile --out {compiled}` again")
+            f"`corelaunch compile --out {compiled}` again with the options it was compiled with")
 
 
 def test_a_corrupt_weights_file_of_a_compiled_directory_names_its_copy_or_compile(tmp_path, model):

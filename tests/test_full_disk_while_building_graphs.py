@@ -15,6 +15,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -126,5 +127,15 @@ def test_compile_onto_a_disk_that_fills_while_building_the_graphs_names_out_and_
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.splitlines()[-1] == (
         f"corelaunch compile: could not write --out {out} ({FULL} while building the graphs into its cache); "
-        f"free space, or pass a path on another disk"), done.stderr[-3000:]
+        f"free space, or pass a path on another disk (where --out's disk has room: the C++ compiler's temporary "
+        f"folder, {tempfile.gettempdir()}, TMPDIR)"), done.stderr[-3000:]
     assert done.stdout.strip() == "left:", done.stdout  # the unfinished version removed
+
+
+def test_the_refusal_survives_a_pickle_as_ray_copies_errors():
+    """Ray copies an error by pickling it: the default pickling passed only the message, and the copy
+    failed to unpickle (a Serve replica's failed start showed Ray's unpickling error instead)."""
+    from launcher.cluster.tp_group import RankWriteRefused
+
+    copied = pickle.loads(pickle.dumps(RankWriteRefused("rank 0 failed", errno.ENOSPC, True)))
+    assert (str(copied), copied.write_errno, copied.building_graphs) == ("rank 0 failed", errno.ENOSPC, True)

@@ -57,6 +57,33 @@ def test_the_writer_leaves_a_copy_another_launch_is_writing_and_says_so(tmp_path
         holder.wait()
 
 
+def test_a_stale_copy_another_launch_is_replacing_is_not_ready(tmp_path, model):
+    """Given way to another launch, the writer wrote nothing: the copy there (here cut short, as one
+    cut from other weights would be) was called ready, and a group restart pinned it."""
+    from launcher.artifacts.presharded_cache import unusable
+
+    model_dir, config = model
+    layout = ShardLayout.for_model(config, 1)
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    copy = cache_dir(root, model_dir, config, layout, "float32")
+    first = CacheWriter(copy, model_dir, config, layout, "float32").start()
+    first.join(60)
+    assert first.ready
+    shard = next(copy.glob("rank-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-8])
+    assert unusable(copy, model_dir) is not None
+    holder = _another_launch_writing(copy)
+    try:
+        writer = CacheWriter(copy, model_dir, config, layout, "float32").start()
+        writer.join(10)
+        assert not writer.writing and writer.error is None and is_ready(copy)
+        assert not writer.ready
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_launchs_shutdown_does_not_wait_for_another_launchs_copy(tmp_path, model, monkeypatch, capfd):
     from launcher.api import LaunchConfig, Launcher
     from tests.in_process_cluster import use_in_process_groups

@@ -19,9 +19,10 @@ import textwrap
 from pathlib import Path
 
 from launcher.cluster.resources import fewer_groups_why, never_placeable_why
+from shardlib.host_cpus import host_cpus
 
 REPO = Path(__file__).resolve().parents[1]
-TOO_MANY_CPUS = str(4 * (os.cpu_count() or 1))
+TOO_MANY_CPUS = str(4 * host_cpus())
 WOULD_START = "the private Ray cluster this launch would start (this host alone)"
 
 DRIVER_API = textwrap.dedent("""
@@ -49,7 +50,7 @@ def _run(args: list[str]) -> tuple[subprocess.CompletedProcess, list[str]]:
 def test_the_driver_api_refuses_a_private_cluster_too_small_before_starting_ray():
     out, sessions = _run(["-c", DRIVER_API, TOO_MANY_CPUS])
     assert out.stdout.startswith(f"PlacementImpossible {WOULD_START} cannot place a TP group"), out.stderr[-3000:]
-    assert f"Lower --cpus-per-rank (at most {os.cpu_count()}" in out.stdout, out.stdout
+    assert f"Lower --cpus-per-rank (at most {host_cpus()}" in out.stdout, out.stdout
     assert out.stdout.rstrip().endswith("nothing was started"), out.stdout
     assert not sessions, f"a Ray session was started before the refusal: {sessions}"
 

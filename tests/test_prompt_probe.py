@@ -130,12 +130,13 @@ def _server_with(tokenizer, context_tokens: int = 8192):
     """An OpenAIServer instance with only what its prompt checks use (no Ray, no Serve)."""
     import threading
 
-    from launcher.serving.openai_app import OpenAIServer, _sanitizing
+    from launcher.serving.openai_app import OpenAIServer, _marks_chat_inputs, _sanitizing
 
     server = object.__new__(OpenAIServer.func_or_class)
     server.tokenizer, server.context_tokens, server._encoding = tokenizer, context_tokens, threading.Lock()
     server._longest_token = longest_token_chars(tokenizer)
     server._chat_options = _sanitizing(tokenizer)
+    server._marks_chat_inputs = bool(server._chat_options) and _marks_chat_inputs(tokenizer)
     return server
 
 

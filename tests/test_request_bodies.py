@@ -197,7 +197,7 @@ def test_the_marker_code_points_sanitizing_drops_are_not_measured_in_a_chat(smol
     'its first 8192 characters alone have 32332 tokens'."""
     import threading
 
-    from launcher.serving.openai_app import OpenAIServer, _sanitizing
+    from launcher.serving.openai_app import OpenAIServer, _marks_chat_inputs, _sanitizing
     from launcher.serving.prompt_probe import longest_token_chars
 
     wrapper = OpenAIServer.func_or_class
@@ -206,6 +206,7 @@ def test_the_marker_code_points_sanitizing_drops_are_not_measured_in_a_chat(smol
     server.tokenizer, server.name, server._encoding = smollm2_tokenizer, "m", threading.Lock()
     server.context_tokens, server._longest_token = 512, longest_token_chars(smollm2_tokenizer)
     server._chat_options = _sanitizing(smollm2_tokenizer)
+    server._marks_chat_inputs = bool(server._chat_options) and _marks_chat_inputs(smollm2_tokenizer)
     if not server._chat_options:
         pytest.skip("this transformers does not sanitize chat messages")
     plain = server._apply_chat_template([{"role": "user", "content": "Hi"}])

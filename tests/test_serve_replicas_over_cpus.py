@@ -15,11 +15,12 @@ import tempfile
 from pathlib import Path
 
 from launcher.cluster.resources import fewer_groups_why
+from shardlib.host_cpus import host_cpus
 from workers.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # one group of TP 1 fits this host at this share; two never do, whatever the host's CPU count
-THREE_QUARTERS_OF_THE_HOST = f"{0.75 * (os.cpu_count() or 1):g}"
+THREE_QUARTERS_OF_THE_HOST = f"{0.75 * host_cpus():g}"
 WOULD_START = "the private Ray cluster this launch would start (this host alone)"
 
 

@@ -83,3 +83,38 @@ def test_models_without_the_tags_or_a_template_that_splits_at_them_get_the_conte
     tagged = with_think_tags(smollm2_tokenizer, None)  # the tags, but a template that never splits at them
     got, expected = served_and_expected(tagged, with_think_tags(smollm2_tokenizer, None), messages)
     assert got == expected and "add them" in smollm2_tokenizer.decode(got)
+
+
+R1_STYLE = """{%- for message in messages %}
+{%- if message.role == "user" %}{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == "assistant" %}{%- set content = message.content %}
+{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1] %}{%- endif %}
+{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+"""DeepSeek-R1's handling, cut down: the split at `</think>` without lstrip, no reasoning_content read."""
+WHOLE_CONTENT_STYLE = """{%- for message in messages %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- if message.role == "system" %}{{- '<think>\\n\\n</think>\\n' }}{%- endif %}
+{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+"""A template that writes `</think>` as text of its own (SmolLM3's empty thinking) and prints content whole."""
+
+
+def test_a_template_that_splits_without_reading_reasoning_content_gets_the_content_whole(smollm2_tokenizer):
+    """DeepSeek-R1's template keeps the newlines its split leaves: split off first, they were lost. (The
+    text is transformers'; its tokens may differ where a sanitizing mark stood between newlines.)"""
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": THOUGHT},
+                {"role": "user", "content": "and 3+3?"}]
+    got, expected = served_and_expected(with_think_tags(smollm2_tokenizer, R1_STYLE),
+                                        with_think_tags(smollm2_tokenizer, R1_STYLE), messages)
+    assert smollm2_tokenizer.decode(got) == smollm2_tokenizer.decode(expected)
+    assert "<|im_start|>assistant\n\n\nIt is 4.<|im_end|>" in smollm2_tokenizer.decode(got)
+
+
+def test_a_template_that_prints_content_whole_keeps_the_thinking_in_it(smollm2_tokenizer):
+    """Split off into reasoning fields such a template never reads, the earlier thinking was lost."""
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": THOUGHT},
+                {"role": "user", "content": "and 3+3?"}]
+    got, _ = served_and_expected(with_think_tags(smollm2_tokenizer, WHOLE_CONTENT_STYLE),
+                                 with_think_tags(smollm2_tokenizer, WHOLE_CONTENT_STYLE), messages)
+    assert "add them" in smollm2_tokenizer.decode(got)

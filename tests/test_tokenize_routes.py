@@ -91,8 +91,8 @@ def replica(tokenizer, api_key: str | None = None, context: int = 512):
     """The server's class over `tokenizer`, its fields set as its constructor sets them, without a
     Launcher (only its vocabulary size is read: the engine is never asked)."""
     from launcher.serving.metrics import ServerMetrics
-    from launcher.serving.openai_app import (BodyBudget, OpenAIServer, _sanitizing, _special_tokens_around,
-                                             request_bytes_limit)
+    from launcher.serving.openai_app import (BodyBudget, OpenAIServer, _marks_chat_inputs, _sanitizing,
+                                             _special_tokens_around, request_bytes_limit)
     from launcher.serving.prompt_probe import longest_token_chars
 
     ours = next(c for c in OpenAIServer.func_or_class.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
@@ -100,6 +100,7 @@ def replica(tokenizer, api_key: str | None = None, context: int = 512):
     server.api_key, server.name, server.tokenizer, server.context_tokens = api_key, MODEL, tokenizer, context
     server._encoding, server._longest_token = threading.Lock(), longest_token_chars(tokenizer)
     server._chat_options, server._text_specials = _sanitizing(tokenizer), _special_tokens_around(tokenizer)
+    server._marks_chat_inputs = bool(server._chat_options) and _marks_chat_inputs(tokenizer)
     server.launcher = SimpleNamespace(model_config=SimpleNamespace(vocab_size=len(tokenizer)),
                                       shutdown=lambda: None)  # the replica's __del__ stops its Launcher
     server.metrics = ServerMetrics(lambda: {})

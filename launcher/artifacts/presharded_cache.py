@@ -169,6 +169,9 @@ class CacheWriter:
         self._args = (model_dir, config, layout, dtype)
         self._force = force
         self._note = note
+        self._gave_way = False
+        """Another launch held the copy's lock: this one wrote nothing, and the copy there may be the
+        stale one that launch is replacing."""
         self._thread = threading.Thread(target=self._write, name="corelaunch-presharded-cache", daemon=True)
 
     def start(self) -> "CacheWriter":
@@ -177,7 +180,12 @@ class CacheWriter:
 
     @property
     def ready(self) -> bool:
-        return not self._thread.is_alive() and self.error is None and is_ready(self.path)
+        """The copy can be loaded: written by this writer, or, where it gave way to another launch's,
+        usable as it stands (a restart pinned the stale copy that launch was replacing, weights of
+        a checkpoint replaced in place included, which the ranks' sha256 checks cannot tell)."""
+        if self._thread.is_alive() or self.error is not None or not is_ready(self.path):
+            return False
+        return not self._gave_way or unusable(self.path, self._args[0]) is None
 
     @property
     def writing(self) -> bool:
@@ -204,6 +212,7 @@ class CacheWriter:
             try:
                 lock.acquire()
             except Timeout:
+                self._gave_way = True
                 self._leave_to_the_other_writer()
                 return
             try:

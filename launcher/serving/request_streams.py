@@ -144,11 +144,13 @@ class _Stream:
 
     def _overdue(self, waited_s: float) -> RequestTimeout:
         """A LaunchError, as the replica's own timeout is (the CLI names it in one line, not a traceback)."""
-        return RequestTimeout(f"request {self.request_id} got no answer within {waited_s:.1f} s, and is now at least "
-                              f"{_GRACE_S:g} s past its request timeout ({self.handle.timeout_s:g} s from submission): "
-                              f"its replica reported nothing, not even that it timed out, as while it restarts a "
-                              f"group; see replica_status() and the worker logs (ray logs), or raise "
-                              f"request_timeout_s (--request-timeout) for long generations")
+        overdue = RequestTimeout(
+            f"request {self.request_id} got no answer within {waited_s:.1f} s, and is now at least {_GRACE_S:g} s past "
+            f"its request timeout ({self.handle.timeout_s:g} s from submission): its replica reported nothing, not "
+            f"even that it timed out, as while it restarts a group; see replica_status() and the worker logs (ray "
+            f"logs), or raise request_timeout_s (--request-timeout) for long generations")
+        overdue.timeout_s = self.handle.timeout_s  # one request's own: the server tells it in its client's terms
+        return overdue
 
     def cancel(self, deferred: bool = False, reason: BaseException | None = None) -> bool:
         """Cancel the request. With a `reason`, it first ends the request's events, waking a reader
