@@ -354,7 +354,8 @@ def _stored_pickled(tensor: torch.Tensor) -> StoredTensor:
 def _sampled_tensor_bytes(tensor: torch.Tensor, count: int, size: int) -> bytes:
     """sampled_bytes of a (memory-mapped) tensor's bytes in row-major order: only the sampled pages
     are read from the file."""
-    flat = tensor.contiguous().reshape(-1).view(torch.uint8)  # a stored tensor is contiguous: a view
+    # a view where the tensor is stored contiguous (as saved weights are); a strided one is copied whole
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
     length = flat.numel()
     if length <= count * size:
         return flat.numpy().tobytes()

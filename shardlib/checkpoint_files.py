@@ -344,7 +344,7 @@ def _refuse_differing_copies(ckpt: CheckpointFiles, stored: dict[Path, dict[str,
     of 37,000 tensors in 118 files)."""
     needed = set(names)
     for path, tensors in stored.items():
-        for name in needed.intersection(tensors):
+        for name in [name for name in tensors if name in needed]:  # the file's order: the same tensor named each time
             mapped = ckpt.weight_map[name]
             if path != mapped and not tensors[name].same_as(stored[mapped][name]):
                 raise ValueError(

@@ -104,3 +104,18 @@ def test_a_control_token_in_text_the_template_prints_as_a_string_is_still_taken_
     start = smollm2_tokenizer.convert_tokens_to_ids("<|im_start|>")
     tokens = answer(plain, "/tokenize", {"model": MODEL, "messages": call_chat(FORGED)})["tokens"]
     assert tokens.count(start) == 4  # the template's own: three messages and the generation prompt
+
+
+def test_marking_is_used_only_where_transformers_marks_as_the_server_calls_it(smollm2_tokenizer):
+    """_mark_chat_inputs is no public API of transformers: a tokenizer without it, or with another
+    signature, renders unmarked (the server warns at start) instead of failing every chat with a 400."""
+    from types import SimpleNamespace
+
+    from launcher.serving.openai_app import _marks_chat_inputs
+
+    def other_signature(chat_template, conversations, tools):
+        return conversations
+
+    assert _marks_chat_inputs(smollm2_tokenizer)  # the pinned transformers' own
+    assert not _marks_chat_inputs(SimpleNamespace())
+    assert not _marks_chat_inputs(SimpleNamespace(_mark_chat_inputs=other_signature))

@@ -127,8 +127,9 @@ def test_compile_onto_a_disk_that_fills_while_building_the_graphs_names_out_and_
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.splitlines()[-1] == (
         f"corelaunch compile: could not write --out {out} ({FULL} while building the graphs into its cache); "
-        f"free space, or pass a path on another disk (where --out's disk has room: the C++ compiler's temporary "
-        f"folder, {tempfile.gettempdir()}, TMPDIR)"), done.stderr[-3000:]
+        f"free space, or pass a path on another disk; if --out's disk has room, the full one may be the C++ "
+        f"compiler's temporary folder ({tempfile.gettempdir()}): free space there, or set TMPDIR to a folder with "
+        f"room"), done.stderr[-3000:]
     assert done.stdout.strip() == "left:", done.stdout  # the unfinished version removed
 
 

@@ -170,6 +170,7 @@ class CacheWriter:
         self._force = force
         self._note = note
         self._gave_way = False
+        self._other_copy_usable = False
         """Another launch held the copy's lock: this one wrote nothing, and the copy there may be the
         stale one that launch is replacing."""
         self._thread = threading.Thread(target=self._write, name="corelaunch-presharded-cache", daemon=True)
@@ -185,7 +186,9 @@ class CacheWriter:
         a checkpoint replaced in place included, which the ranks' sha256 checks cannot tell)."""
         if self._thread.is_alive() or self.error is not None or not is_ready(self.path):
             return False
-        return not self._gave_way or unusable(self.path, self._args[0]) is None
+        if self._gave_way and not self._other_copy_usable:  # once usable, it stays so: not sampled again at each poll
+            self._other_copy_usable = unusable(self.path, self._args[0]) is None
+        return not self._gave_way or self._other_copy_usable
 
     @property
     def writing(self) -> bool:

@@ -241,10 +241,13 @@ def _bench(args: argparse.Namespace) -> dict:
         restarts = _group_restarts(launcher) - restarts_before if args.runs else 0
         try:
             report = build_report(timings, args.batch_size, args.prompt_len)
-        except ValueError as err:  # a restart can leave a run no step the whole batch decoded: say why
+        except ValueError:  # a restart can leave a run no step the whole batch decoded: a failed run, not bad input
             if restarts:
-                raise ValueError(f"{err}; the TP group failed and was restarted {restarts} time(s) during the "
-                                 f"measured runs, which prefilled the batch again: run the benchmark again") from None
+                from launcher.errors import GroupFault
+
+                raise GroupFault(f"no decode step of the whole batch was measured: the TP group failed and was "
+                                 f"restarted {restarts} time(s) during the measured runs, which prefilled the batch "
+                                 f"again; run the benchmark again") from None
             raise
         report["group_restarts"] = restarts
         if restarts:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -102,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
         # (compiled_dir.cache_dir): a full disk there said "rank 0 failed to ...", exit 3
         what = "building the graphs into its cache" if err.building_graphs else "writing into it"
         # the compiler also writes its intermediate files to the temporary folder: full, it reads the same
-        temporary = (f" (where --out's disk has room: the C++ compiler's temporary folder, {tempfile.gettempdir()}, "
-                     f"TMPDIR)" if err.building_graphs else "")
+        temporary = (f"; if --out's disk has room, the full one may be the C++ compiler's temporary folder "
+                     f"({tempfile.gettempdir()}): free space there, or set TMPDIR to a folder with room"
+                     if err.building_graphs and err.write_errno in (errno.ENOSPC, errno.EDQUOT) else "")
         print(f"corelaunch compile: could not write --out {args.out} ({os.strerror(err.write_errno)} while {what}); "
               f"{write_refusal_fix(err.write_errno)}{temporary}", file=sys.stderr)
         return 2

@@ -411,8 +411,8 @@ def _token_metadata() -> tuple[tuple[str, str], ...]:
     except Exception as err:  # noqa: BLE001 - Ray's AuthenticationError: a token file it cannot read
         # said as "none was found", which named neither the file nor why, and ~/.ray/auth_token as a
         # fallback Ray does not take once RAY_AUTH_TOKEN_PATH is set
-        raise LaunchError(f"RAY_AUTH_MODE=token, but Ray could not read its token ({type(err).__name__}: "
-                          f"{str(err).strip().splitlines()[0] if str(err).strip() else 'no reason given'}): "
+        said = str(err).strip().split(". ")[0] or "no reason given"  # Ray's advice after it names the wrong file
+        raise LaunchError(f"RAY_AUTH_MODE=token, but Ray could not read its token ({type(err).__name__}: {said}): "
                           f"fix the file RAY_AUTH_TOKEN_PATH names, or set RAY_AUTH_TOKEN to the cluster's "
                           f"token (`ray get-auth-token` on its head prints it)") from None
 

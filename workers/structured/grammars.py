@@ -136,7 +136,7 @@ def lowest_allowed(mask: np.ndarray, but: Sequence[int] = ()) -> int | None:
 
 OVERLAPPING_ONE_OF = ("oneOf whose branches can overlap is not supported: write anyOf (a value matching two "
                       "branches is then allowed), or make the branches exclusive (a property each requires with a "
-                      "const of its own)")
+                      "const of its own; a oneOf of number consts: write enum)")
 """What llguidance's oneOf refusal means here. Its own words advise its coerce_one_of option, which
 a request cannot set (shardlib/structured_output.py refuses its "x-guidance" options key)."""
 
