@@ -559,14 +559,17 @@ def _overdue(response_id: str | None, timeout_s: float, delivered: list[int], en
     """What a client is told of its request past the request timeout: the response id a stream gave
     it (None: the request, whose answer not streamed carries its id only when it comes; the
     engine's own request id, which the timeout's error names, means nothing to a client) and the
-    tokens delivered so far, choice by choice where it asked for several (`delivered[i]` and
+    tokens streamed so far, choice by choice where it asked for several (`delivered[i]` and
     `ended[i]`, choice i's: its `index`), naming those that had not ended (the timeout's error spoke
-    of one of them only)."""
-    said = f"{f'response {response_id}' if response_id else 'the request'} did not finish within the request " \
+    of one of them only). An answer not streamed delivered nothing, and gathers a choice's tokens
+    into one piece at its end: its count said "1 token" however far the choice had come, so none is
+    given."""
+    streamed = response_id is not None
+    said = f"{f'response {response_id}' if streamed else 'the request'} did not finish within the request " \
            f"timeout ({timeout_s:g} s)"
     if len(delivered) == 1:
-        return f"{said}; it had delivered {_plural(delivered[0], 'token')}"
-    cut = [f"choice {i} ({_plural(count, 'token')} delivered)"
+        return f"{said}; it had delivered {_plural(delivered[0], 'token')}" if streamed else said
+    cut = [f"choice {i}" + (f" ({_plural(count, 'token')} delivered)" if streamed else "")
            for i, (count, end) in enumerate(zip(delivered, ended)) if not end]
     return f"{said}; of its {len(delivered)} choices, {', '.join(cut) or 'none'} had not ended"
 
