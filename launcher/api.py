@@ -708,9 +708,6 @@ class Launcher:
         """_bad_word_sequences' results by bad_words: the OpenAI routes open one stream per choice, each
         filling its own params, so a request of n choices tokenized its words n times on the event loop
         (128 long words: about 0.1 s each), and a client repeating its list tokenized it again."""
-        self._bad_word_ids_remembered = 0
-        """The token ids _bad_words_tokenized holds (about: two threads adding at once may miscount a
-        list, until the next clear)."""
         self._generation_eos: tuple[int, ...] = ()
         self._tokenizer_load: BackgroundLoad | None = None
         self._tokenizer_retry = False
@@ -1835,13 +1832,12 @@ class Launcher:
         sequences = self._bad_words_tokenized.get(words)
         if sequences is None:
             sequences = self._bad_word_sequences(words)
-            ids = sum(map(len, sequences))
+            # counted on a miss only, which costs a tokenizing anyway (list(): one step under the GIL)
+            held = sum(len(s) for listed in list(self._bad_words_tokenized.values()) for s in listed)
             if (len(self._bad_words_tokenized) >= BAD_WORD_LISTS_REMEMBERED
-                    or self._bad_word_ids_remembered + ids > BAD_WORD_IDS_REMEMBERED):
+                    or held + sum(map(len, sequences)) > BAD_WORD_IDS_REMEMBERED):
                 self._bad_words_tokenized.clear()
-                self._bad_word_ids_remembered = 0
             self._bad_words_tokenized[words] = sequences
-            self._bad_word_ids_remembered += ids
         return sequences
 
     def _bad_word_sequences(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:

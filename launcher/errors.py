@@ -39,13 +39,24 @@ class WorkerDied(GroupFault):
     """A rank's process died; the message names the rank and its node."""
 
 
+def error_chain(err: BaseException | None):
+    """err, then each error it was raised from or during (__cause__, else __context__), once each."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
 class RequestTimeout(GroupFault):
     """A request did not finish within the request timeout."""
 
-    timeout_s: float | None = None
-    """The time the request was given (a wave's more for each wave of rows queued before it), where
-    the error is that one request's past its timeout (not a hung group's, nor a static batch's): the
-    OpenAI server tells it in its client's terms."""
+    def __init__(self, message: str, timeout_s: float | None = None) -> None:
+        super().__init__(message)
+        self.timeout_s = timeout_s
+        """The time the request was given (a wave's more for each wave of rows queued before it), where
+        the error is that one request's past its timeout (not a hung group's, nor a static batch's):
+        the OpenAI server tells it in its client's terms."""
 
 
 class RankFailed(GroupFault):

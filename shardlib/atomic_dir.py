@@ -166,12 +166,14 @@ file name (a write to an open file carries none) is the output's, never an input
 def write_refusal_fix(number: int) -> str:
     """The way out of a write refused with WRITE_ONLY_ERRNOS' `number`, for the end of a "could not
     write --out OUT (...)" refusal: another path in a directory one can write to does not help a
-    full disk on the same one."""
+    full disk on the same one; any other number (or None: a folder one cannot write) is that."""
     if number == errno.EFBIG:  # the process's file size limit, whatever the disk
         return "raise the file size limit (`ulimit -f`), or pass a path on another disk"
     if number == errno.EDQUOT:
         return "free space within your disk quota, or pass a path on another disk"
-    return "free space, or pass a path on another disk"
+    if number == errno.ENOSPC:
+        return "free space, or pass a path on another disk"
+    return "pass a new path in a directory you can write to"
 
 
 def out_dir_failure(out_dir: str | Path, err: OSError) -> str | None:

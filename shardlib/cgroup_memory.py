@@ -25,32 +25,40 @@ large or above is none."""
 def cgroup_memory_limit(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int | None:
     """The lowest memory limit in bytes on this process's cgroup path, or None where there is none
     (no cgroup, no memory controller, "max", or a v1 limit left at its page-rounded maximum)."""
+    limits = [limit for folder, v2 in cgroup_folders("memory", root, self_cgroup)
+              if (limit := _read_limit(folder / ("memory.max" if v2 else "memory.limit_in_bytes"))) is not None]
+    return min(limits, default=None)
+
+
+def cgroup_folders(controller: str, root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP
+                   ) -> list[tuple[Path, bool]]:
+    """(folder, is v2) for each folder of this process's cgroup path that holds `controller`'s
+    settings, from its own cgroup up to the mount (a parent's setting holds for its children): v2's
+    single hierarchy (`0::PATH`) and v1's hierarchy of that controller (`N:cpu,cpuacct:PATH`, mounted
+    as ROOT/controller); [] where the process's cgroup file cannot be read."""
     try:
         lines = self_cgroup.read_text().splitlines()
     except OSError:
-        return None
-    limits = []
+        return []
+    folders = []
     for line in lines:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if hierarchy == "0" and controllers == "":  # v2
-            limits += _limits_along(root, path, "memory.max")
-        elif "memory" in controllers.split(","):  # v1's memory controller
-            limits += _limits_along(root / "memory", path, "memory.limit_in_bytes")
-    return min(limits, default=None)
+            folders += [(folder, True) for folder in _up_to_the_mount(root, path)]
+        elif controller in controllers.split(","):
+            folders += [(folder, False) for folder in _up_to_the_mount(root / controller, path)]
+    return folders
 
 
-def _limits_along(mount: Path, path: str, file_name: str) -> list[int]:
-    """The numeric limits in `file_name` from mount/path up to the mount itself."""
+def _up_to_the_mount(mount: Path, path: str) -> list[Path]:
+    """mount/path and each folder above it, up to the mount itself."""
     here = mount / path.strip("/")
-    found = []
-    while True:
-        limit = _read_limit(here / file_name)
-        if limit is not None:
-            found.append(limit)
-        if here == mount or mount not in here.parents:
-            return found
+    found = [here]
+    while here != mount and mount in here.parents:
         here = here.parent
+        found.append(here)
+    return found
 
 
 def _read_limit(path: Path) -> int | None:

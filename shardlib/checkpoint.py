@@ -48,8 +48,8 @@ import torch
 # worker starts); the names are re-exported here, where the loaders have always found them.
 from shardlib.checkpoint_files import (CHECKPOINT_FILES, COPY_SAMPLE_BYTES, COPY_SAMPLES,  # noqa: F401
                                        READABLE_DTYPES, CheckpointFiles, StoredTensor, check_dtypes,
-                                       check_stored_copies, checked_names, find_checkpoint, safetensors_header,
-                                       unreadable_dtype, validated_names)
+                                       check_stored_copies, checked_names, find_checkpoint, sample_starts,
+                                       safetensors_header, unreadable_dtype, validated_names)
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import expected_shapes
 from shardlib.quantization import keeps_dtype
@@ -356,11 +356,10 @@ def _sampled_tensor_bytes(tensor: torch.Tensor, count: int, size: int) -> bytes:
     are read from the file."""
     # a view where the tensor is stored contiguous (as saved weights are); a strided one is copied whole
     flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-    length = flat.numel()
-    if length <= count * size:
+    starts = sample_starts(flat.numel(), count, size)
+    if starts is None:
         return flat.numpy().tobytes()
-    step = (length - size) / (count - 1)
-    return b"".join(flat[round(i * step):round(i * step) + size].numpy().tobytes() for i in range(count))
+    return b"".join(flat[start:start + size].numpy().tobytes() for start in starts)
 
 
 @contextlib.contextmanager

@@ -210,16 +210,25 @@ def safetensors_header(path: Path) -> dict[str, HeaderEntry]:
             for name, info in header.items() if name != "__metadata__"}
 
 
+def sample_starts(length: int, count: int, size: int) -> list[int] | None:
+    """Where `count` samples of `size` bytes spread evenly over `length` bytes start; None where the
+    span is shorter than their total (it is taken whole). One rule for a file's bytes and a mapped
+    tensor's, so that both sample the same places."""
+    if length <= count * size:
+        return None
+    step = (length - size) / (count - 1)
+    return [round(i * step) for i in range(count)]
+
+
 def sampled_bytes(path: Path, begin: int, end: int, count: int, size: int) -> bytes:
     """`count` samples of `size` bytes spread evenly over the file's [begin, end) (the whole span when
-    it is shorter than their total)."""
-    length = end - begin
+    it is shorter than their total: sample_starts)."""
+    starts = sample_starts(end - begin, count, size)
     fd = os.open(path, os.O_RDONLY)
     try:
-        if length <= count * size:
-            return os.pread(fd, length, begin)
-        step = (length - size) / (count - 1)
-        return b"".join(os.pread(fd, size, begin + round(i * step)) for i in range(count))
+        if starts is None:
+            return os.pread(fd, end - begin, begin)
+        return b"".join(os.pread(fd, size, begin + start) for start in starts)
     finally:
         os.close(fd)
 

@@ -15,7 +15,7 @@ import math
 import os
 from pathlib import Path
 
-from shardlib.cgroup_memory import CGROUP_ROOT, SELF_CGROUP
+from shardlib.cgroup_memory import CGROUP_ROOT, SELF_CGROUP, cgroup_folders
 
 
 def host_cpus(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int:
@@ -43,29 +43,10 @@ def _affinity_count() -> int | None:
 def cgroup_cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> float | None:
     """The lowest CPU quota, in CPUs, on this process's cgroup path (quota / period), or None where
     there is none (no cgroup, no cpu controller, "max", or v1's -1)."""
-    try:
-        lines = self_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    quotas: list[float] = []
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "":  # v2
-            quotas += [q for d in _dirs_up(root, path) if (q := _v2_quota(d)) is not None]
-        elif "cpu" in controllers.split(","):  # v1's cpu controller (mounted as cpu, or cpu,cpuacct linked as cpu)
-            quotas += [q for d in _dirs_up(root / "cpu", path) if (q := _v1_quota(d)) is not None]
+    # v1's cpu controller: mounted as cpu, or cpu,cpuacct linked as cpu
+    quotas = [quota for folder, v2 in cgroup_folders("cpu", root, self_cgroup)
+              if (quota := (_v2_quota if v2 else _v1_quota)(folder)) is not None]
     return min(quotas, default=None)
-
-
-def _dirs_up(mount: Path, path: str) -> list[Path]:
-    """mount/path and each folder above it, up to the mount itself."""
-    here = mount / path.strip("/")
-    found = [here]
-    while here != mount and mount in here.parents:
-        here = here.parent
-        found.append(here)
-    return found
 
 
 def _v2_quota(folder: Path) -> float | None:

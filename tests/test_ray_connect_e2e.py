@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -113,8 +115,6 @@ def test_the_recorded_cluster_is_joined_with_token_authentication_as_ray_joins_i
     address, for which Ray never turns authentication on, and failed with "no Ray cluster answered
     ... run `ray stop`", where a plain ray.init() joined."""
     import secrets
-    import signal
-    import time
 
     with tempfile.TemporaryDirectory(prefix="clray", dir="/tmp") as tmp:
         home = Path(tmp) / "home"
@@ -135,11 +135,7 @@ def test_the_recorded_cluster_is_joined_with_token_authentication_as_ray_joins_i
                                 env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         try:
-            record = Path(tmp) / "ray" / "ray_current_cluster"
-            deadline = time.monotonic() + 120
-            while not record.is_file():
-                assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
-                time.sleep(0.5)
+            wait_for_the_recorded_cluster(head, tmp)
             out = subprocess.run([sys.executable, "-c", CONNECT_FOUND], capture_output=True, text=True,
                                  timeout=180, env=env, cwd=REPO)
             assert out.returncode == 0, out.stderr[-3000:]
@@ -148,18 +144,31 @@ def test_the_recorded_cluster_is_joined_with_token_authentication_as_ray_joins_i
             assert out.stdout.split() == ["False", "1.0", "True", "False", "True", "2.0"]
             assert head.poll() is None  # the joined cluster was left running
         finally:
-            # --block: ending it stops the cluster it started. Only `ray start` itself: it drains the
-            # node through the GCS first, which a SIGTERM to the whole group had already stopped, so
-            # the drain waited out its 30 s before shutting down anyway.
-            os.kill(head.pid, signal.SIGTERM)
-            try:
-                head.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-            try:  # and whatever of it is left in its session
-                os.killpg(head.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            stop_a_blocking_head(head)
+
+
+def wait_for_the_recorded_cluster(head: subprocess.Popen, tmp: str, timeout_s: float = 120) -> None:
+    """Until `ray start --head` (RAY_TMPDIR tmp) has recorded its cluster, as a started one does."""
+    record = Path(tmp) / "ray" / "ray_current_cluster"
+    deadline = time.monotonic() + timeout_s
+    while not record.is_file():
+        assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
+        time.sleep(0.5)
+
+
+def stop_a_blocking_head(head: subprocess.Popen) -> None:
+    """Stop a `ray start --head --block` run in its own session. --block: ending it stops the cluster
+    it started. Only `ray start` itself first: it drains the node through the GCS, which a SIGTERM to
+    the whole group had already stopped, so the drain waited out its 30 s before shutting down anyway."""
+    os.kill(head.pid, signal.SIGTERM)
+    try:
+        head.wait(60)
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # and whatever of it is left in its session
+        os.killpg(head.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 INTERRUPTED_CONNECT = textwrap.dedent("""
@@ -191,8 +200,6 @@ def test_ctrl_c_while_a_private_cluster_starts_leaves_nothing_running():
 def _gone_within(variable: str, seconds: float) -> list[str]:
     """[] once two reads 0.2 s apart in a row find no process with `variable` (one alone could fall
     between a process's fork and the exec that sets its environment), else what is left at `seconds`."""
-    import time
-
     deadline, empty_reads = time.monotonic() + seconds, 0
     while True:
         left = _processes_with(variable)

@@ -10,16 +10,15 @@ import contextlib
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.test_ray_connect_e2e import stop_a_blocking_head, wait_for_the_recorded_cluster
 from tests.test_ray_job import BIN, late_bind_ports
 
 pytestmark = pytest.mark.slow
@@ -73,23 +72,10 @@ def head_with_a_token(num_cpus: int):
             env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}, cwd=tmp, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True)
         try:
-            record = Path(tmp) / "ray" / "ray_current_cluster"
-            deadline = time.monotonic() + 120
-            while not record.is_file():
-                assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
-                time.sleep(0.5)
+            wait_for_the_recorded_cluster(head, tmp)
             yield f"127.0.0.1:{gcs}", env, token
         finally:
-            # --block: ending `ray start` stops the cluster it started; then whatever is left of its group
-            os.kill(head.pid, signal.SIGTERM)
-            try:
-                head.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(head.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            stop_a_blocking_head(head)
 
 
 def launch(env: dict, *args: str) -> str:

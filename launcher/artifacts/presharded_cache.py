@@ -170,9 +170,9 @@ class CacheWriter:
         self._force = force
         self._note = note
         self._gave_way = False
-        self._other_copy_usable = False
         """Another launch held the copy's lock: this one wrote nothing, and the copy there may be the
         stale one that launch is replacing."""
+        self._other_copy_usable = False
         self._thread = threading.Thread(target=self._write, name="corelaunch-presharded-cache", daemon=True)
 
     def start(self) -> "CacheWriter":
@@ -216,7 +216,9 @@ class CacheWriter:
                 lock.acquire()
             except Timeout:
                 self._gave_way = True
-                self._leave_to_the_other_writer()
+                if self._note is not None:
+                    self._note(f"another launch is writing the pre-sharded cache copy {self.path}; this one leaves "
+                               f"it to that launch and loads from the checkpoint until the copy is there")
                 return
             try:
                 if self._force or not is_ready(self.path) or unusable(self.path, model_dir) is not None:
@@ -230,10 +232,6 @@ class CacheWriter:
                 self._note(f"the pre-sharded cache copy {self.path} was not written ({type(err).__name__}: "
                            f"{err}); launches load from the checkpoint until it is")
 
-    def _leave_to_the_other_writer(self) -> None:
-        if self._note is not None:
-            self._note(f"another launch is writing the pre-sharded cache copy {self.path}; this one leaves it to "
-                       f"that launch and loads from the checkpoint until the copy is there")
 
 
 def _unlink_unreadable_copy(path: Path) -> None:

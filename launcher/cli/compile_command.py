@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from launcher.cli.exit_codes import exit_code_for
     from launcher.cluster.tp_group import RankWriteRefused
     from launcher.errors import LaunchError
-    from shardlib.atomic_dir import WRITE_ONLY_ERRNOS, out_dir_failure, write_refusal_fix
+    from shardlib.atomic_dir import out_dir_failure, write_refusal_fix
 
     try:
         manifest = compile_model(args)
@@ -90,9 +90,8 @@ def run(args: argparse.Namespace) -> int:
         # (/proc, /sys, read-only mounts, a full disk)
         failure = out_dir_failure(args.out, err)
         if failure is not None:
-            fix = (write_refusal_fix(err.errno) if err.errno in WRITE_ONLY_ERRNOS
-                   else "pass a new path in a directory you can write to")
-            print(f"corelaunch compile: could not write --out {args.out} ({failure}); {fix}", file=sys.stderr)
+            print(f"corelaunch compile: could not write --out {args.out} ({failure}); {write_refusal_fix(err.errno)}",
+                  file=sys.stderr)
             return 2
         if isinstance(err, BrokenPipeError):
             raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)

@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.errors import LaunchError, RayStartFailed
+from launcher.errors import LaunchError, RayStartFailed, error_chain
 
 _OWN_SESSION = {"users": 0, "started_here": False, "address": "", "dead_at_start": frozenset()}
 """The Ray session this module opened in this process, and how many of its connections are open:
@@ -392,13 +392,19 @@ def _not_a_gcs(address: str, timeout_s: float, sends_token: bool = True,
         channel.close()
 
 
+def _token_mode() -> bool:
+    """Whether this launch sends Ray's token: RAY_AUTH_MODE as connect() reads it now, not as Ray's
+    config read it at import."""
+    return os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+
+
 def _token_metadata() -> tuple[tuple[str, str], ...]:
     """The gRPC metadata carrying the token ray.init would send (("authorization", "Bearer ..."),),
     by Ray's own token loader, or () where the launch sends none (RAY_AUTH_MODE is not "token", no
     token is found, or a Ray without the loader: ray.init then says what is wrong). Decided on
     RAY_AUTH_MODE as connect() reads it, not on the mode Ray's config read at import; the loader's
     cache is reset so that the probe and ray.init read the sources as they are now."""
-    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+    if not _token_mode():
         return ()
     try:
         from ray._raylet import AuthenticationTokenLoader
@@ -434,7 +440,7 @@ def _token_refused(address: str, how: str) -> str:
 
 def _token_missing(address: str, how: str) -> str:
     """The refusal of a launch that sends no token to a cluster that requires one."""
-    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+    if _token_mode():
         return (f"the Ray cluster at {address!r} ({how}) requires a token and none was found ({TOKEN_SOURCES}): "
                 f"put the cluster's token (`ray get-auth-token` on its head prints it) in one of them")
     return (f"the Ray cluster at {address!r} ({how}) requires token authentication, which this launch does not "
@@ -527,7 +533,7 @@ def _connect(address: str | None, num_cpus: int | None, worker_logs: bool) -> Ra
                 refused = _token_refused(address, how) if token else _token_missing(address, how)
                 said = reasons[reasons.index(_TOKEN_REFUSED_BY_RAY):]  # its cause's traceback left out
                 raise LaunchError(f"{refused} (Ray: {said.split('.')[0]})") from None
-            if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+            if not _token_mode():
                 # Ray's refusal of a missing token reads as any failed connection
                 fix += ("; if the cluster runs with token authentication (`ray start` turns it on where "
                         "~/.ray/auth_token exists), set RAY_AUTH_MODE=token, with its token in ~/.ray/auth_token "
@@ -574,13 +580,7 @@ _TOKEN_REFUSED_BY_RAY = "InvalidAuthToken"
 def _error_chain_text(err: BaseException) -> str:
     """err's text and that of the errors it was raised from, "; "-joined: ray.init's ConnectionError
     ("Failed to connect to Ray cluster at ...") says only that it failed, its cause why."""
-    texts = []
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        texts.append(str(err) or type(err).__name__)
-        err = err.__cause__ or err.__context__
-    return "; ".join(texts)
+    return "; ".join(str(link) or type(link).__name__ for link in error_chain(err))
 
 
 RAY_OPEN_FILES = 4096

@@ -657,12 +657,10 @@ class Replica:
 def _overdue(handle: StreamHandle, what_then: str) -> RequestTimeout:
     # "delivered": a group holds up to 64 of a whole answer's tokens before sending them (its
     # stream_interval), which a timeout drops: "it had 1 of 1000" was said of a request 45 tokens in
-    overdue = RequestTimeout(
+    return RequestTimeout(
         f"request {handle.request_id} did not finish within {handle.timeout_s:g} s (it had delivered "
         f"{len(handle.delivered)} of {handle.request.max_tokens} tokens); {what_then}. Raise "
-        f"request_timeout_s (--request-timeout) for long generations")
-    overdue.timeout_s = handle.timeout_s
-    return overdue
+        f"request_timeout_s (--request-timeout) for long generations", timeout_s=handle.timeout_s)
 
 
 SHUTTING_DOWN = ("the launcher is shut down (or shutting down); call start() again (or enter it as a context "

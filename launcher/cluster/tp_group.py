@@ -28,7 +28,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.errors import (DevicesMissing, LaunchError, PlacementTimeout, RankFailed,
-                             RendezvousTimeout, RequestTimeout, WorkerDied)
+                             RendezvousTimeout, RequestTimeout, WorkerDied, error_chain)
 from launcher.cluster.event_channel import ChannelClosed, EventChannel
 from launcher.cluster.ordered_sender import OrderedSender
 from launcher.cluster.replica_pool import STOPPED_BY_SHUTDOWN
@@ -762,13 +762,10 @@ def _write_errno(err: BaseException, cause: BaseException, building: bool) -> in
     keeps its text but not its chain."""
     from shardlib.atomic_dir import WRITE_ONLY_ERRNOS
 
-    seen: set[int] = set()
-    link: BaseException | None = cause
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        if isinstance(link, OSError) and link.errno in WRITE_ONLY_ERRNOS:
-            return link.errno
-        link = link.__cause__ or link.__context__
+    found = next((link.errno for link in error_chain(cause)
+                  if isinstance(link, OSError) and link.errno in WRITE_ONLY_ERRNOS), None)
+    if found is not None:
+        return found
     if building:
         text = f"{cause}\n{err}"  # a RayTaskError's text holds the rank's whole traceback, chain included
         return next((number for number in WRITE_ONLY_ERRNOS if os.strerror(number) in text), None)

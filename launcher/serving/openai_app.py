@@ -792,8 +792,9 @@ its UTF-8 bytes. Spelt so, a mark is text, and the control token between two of 
 model as the token itself."""
 
 
-ESCAPED_START = re.compile("(?i:" + "|".join(re.escape(spelling) for spelling in ESCAPED_MARKS[0]) + ")")
-"""Any spelling of the escaped start mark."""
+ESCAPED_START, ESCAPED_END = (re.compile("(?i:" + "|".join(re.escape(spelling) for spelling in spellings) + ")")
+                               for spellings in ESCAPED_MARKS)
+"""Any spelling of the escaped start mark, and of the end mark."""
 
 
 def _escaped_marks_pattern(tokenizer) -> re.Pattern | None:
@@ -804,8 +805,7 @@ def _escaped_marks_pattern(tokenizer) -> re.Pattern | None:
     control = _control_pattern(tokenizer)
     if control is None:
         return None
-    start, end = ("|".join(re.escape(spelling) for spelling in spellings) for spellings in ESCAPED_MARKS)
-    return re.compile(f"(?i:{start})({control.pattern})(?i:{end})")
+    return re.compile(f"{ESCAPED_START.pattern}({control.pattern}){ESCAPED_END.pattern}")
 
 
 def _refuse_control_tokens_written_escaped(tokenizer, marked_prompt: str) -> None:
@@ -1798,8 +1798,8 @@ class OpenAIServer:
         than the engine runs at once: they could never run together, and a queue of them only delays
         the others. Checked as soon as the body is parsed, before any prompt is tokenized or any
         template rendered (200,000 one-character prompts were tokenized for 117 s, and 1.5 million
-        token-id prompts held the event loop for 11 s, before this refusal), and again where the
-        choices start."""
+        token-id prompts held the event loop for 11 s, before this refusal): completions check their
+        prompts, chat and Responses their one, before _start_choices."""
         rows = self.launcher.config.max_num_seqs
         if prompt_count * req.n <= rows:
             return
@@ -1817,7 +1817,6 @@ class OpenAIServer:
                              prompt_param: str, prompt_logprobs: int | None = None) -> ChoiceStreams:
         """The engine's streams of the request's `n` choices of each prompt (prompt by prompt), all
         admitted or none: one refused (a full queue) closes those started before it, which cancels them."""
-        self._refuse_more_sequences_than_rows(req, len(prompts), prompt_param)  # checked on arrival too
         for prompt, limit in zip(prompts, max_tokens):  # one limit for every prompt of a completions request
             if req.min_tokens > limit:  # said in the API's words (the engine says max_new_tokens)
                 self.metrics.rejected(400)
@@ -2025,10 +2024,10 @@ class OpenAIServer:
                            token_limit: str = CHAT_TOKEN_LIMITS) -> tuple[int, dict, dict]:
         """_generation_failure's answer, a timeout told in the client's terms (_overdue: its response's
         id, each choice's delivered tokens and whether it had ended)."""
-        timeout_s = getattr(err, "timeout_s", None) if isinstance(err, RequestTimeout) else None
-        if timeout_s is None:  # not one request's own timeout (a hung group's): its text says what happened
-            return _generation_failure(err, token_limit)
-        return _generation_failure(err, token_limit, _overdue(response_id, timeout_s, delivered, ended))
+        timeout_s = err.timeout_s if isinstance(err, RequestTimeout) else None
+        # None: not one request's own timeout (a hung group's), whose text says what happened
+        return _generation_failure(err, token_limit, None if timeout_s is None
+                                   else _overdue(response_id, timeout_s, delivered, ended))
 
     def _event_stream(self, events, stream: ChoiceStreams, outcome: dict) -> Response:
         """The server-sent events of a streamed answer; closing it closes the engine's streams and

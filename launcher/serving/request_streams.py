@@ -144,13 +144,11 @@ class _Stream:
 
     def _overdue(self, waited_s: float) -> RequestTimeout:
         """A LaunchError, as the replica's own timeout is (the CLI names it in one line, not a traceback)."""
-        overdue = RequestTimeout(
+        return RequestTimeout(  # one request's own (timeout_s): the server tells it in its client's terms
             f"request {self.request_id} got no answer within {waited_s:.1f} s, and is now at least {_GRACE_S:g} s past "
             f"its request timeout ({self.handle.timeout_s:g} s from submission): its replica reported nothing, not "
             f"even that it timed out, as while it restarts a group; see replica_status() and the worker logs (ray "
-            f"logs), or raise request_timeout_s (--request-timeout) for long generations")
-        overdue.timeout_s = self.handle.timeout_s  # one request's own: the server tells it in its client's terms
-        return overdue
+            f"logs), or raise request_timeout_s (--request-timeout) for long generations", timeout_s=self.handle.timeout_s)
 
     def cancel(self, deferred: bool = False, reason: BaseException | None = None) -> bool:
         """Cancel the request. With a `reason`, it first ends the request's events, waking a reader
