@@ -91,8 +91,8 @@ async def longest_gaps(llm, tokens: int, structured=None) -> dict:
 
 def main(out: TextIO) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--properties", type=int_at_least(1, "--properties"), default=10_000)
-    parser.add_argument("--tokens", type=int_at_least(2, "--tokens"), default=64)
+    parser.add_argument("--properties", type=int_at_least("--properties", 1), default=10_000)
+    parser.add_argument("--tokens", type=int_at_least("--tokens", 2), default=64)
     parser.add_argument("--model-dir", type=model_folder("--model-dir"), default=None)
     args = parser.parse_args()
 

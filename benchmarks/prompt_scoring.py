@@ -73,8 +73,10 @@ def main(out=None) -> dict:
                      f"lower it to at most {positions - 1}")
     report: dict = {"prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "top_n": args.top_n,
                     "compile": args.compile, "torch_threads": torch.get_num_threads(), "lengths": {}}
+    # every length's prompt starts with the same ids: without prefix caching no request reuses another's
+    # prefill, so each timing is a whole prompt's
     with Launcher(model=model_dir, tp=1, seq_len=longest + 8, compile=args.compile, max_num_seqs=2,
-                  warm_up=args.compile, progress=False) as llm:
+                  warm_up=args.compile, progress=False, prefix_caching=False) as llm:
         reference = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float32).eval()
         vocab = llm.model_config.vocab_size
         report["model"] = model_dir

@@ -80,9 +80,9 @@ def weights_section(dirs: dict[str, Path]) -> dict:
     from shardlib.model_config import load_model_config
 
     heads = load_model_config(dirs["float32"]).num_attention_heads
-    second = next(tp for tp in (3, 2, 4) if heads % tp == 0)  # SmolLM2: 3; the 254M model: 2
+    second = next((tp for tp in (3, 2, 4) if heads % tp == 0), None)  # SmolLM2: 3; the 254M model: 2
     out = {}
-    for tp in (1, second):
+    for tp in (1,) if second is None else (1, second):  # heads none of 2-4 divides: TP 1 alone
         rows = {name: _run_child({"model_dir": str(d), "tp": tp, "rank": 0, "source": "checkpoint",
                                   "presharded_dir": None}) for name, d in dirs.items()}
         base = rows["float32"]["shard_bytes"]

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.arguments import model_folder  # noqa: E402
 from benchmarks.serving_client import exit_unless_served  # noqa: E402
+from benchmarks.serving_stats import percentile  # noqa: E402
 from launcher.cli.options import int_at_least  # noqa: E402
 
 SCHEMA = {"type": "array", "minItems": 1000, "items": {
@@ -71,7 +72,7 @@ def mask_step_times(tokenizer, vocab: int, rows: int, steps: int) -> dict:
             grammar.advance(token)
     return {"grammar_tokenizer_build_s": round(built_s, 3), "rows": rows, "steps": steps,
             "median_ms": round(statistics.median(times) * 1e3, 3),
-            "p90_ms": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1e3, 3)}
+            "p90_ms": round(percentile(times, 90) * 1e3, 3)}
 
 
 def over_http(args) -> dict:

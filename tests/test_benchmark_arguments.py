@@ -163,6 +163,49 @@ def test_bad_values_are_refused_by_the_parser_naming_them(script, argv, message,
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, code, message", [
+    (["--properties", "5", "--tokens", "2", "--help"], 0, ""),  # each value parsed before --help exits
+    (["--properties", "0"], 2, "--properties (0) must be at least 1"),
+    (["--tokens", "1"], 2, "--tokens (1) must be at least 2"),
+    (["--tokens", "x"], 2, "--tokens must be an integer, not 'x'"),
+])
+def test_the_large_schema_benchmark_parses_its_counts(argv, code, message, monkeypatch, capsys):
+    """Its two count flags took their name and minimum the wrong way round: every value given was
+    refused as an "invalid parse value", so only the defaults could run."""
+    from benchmarks.large_schema import main
+
+    monkeypatch.setattr(sys, "argv", ["large_schema.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main(sys.stdout)
+    assert exit_.value.code == code
+    assert message in capsys.readouterr().err
+
+
+def test_the_structured_output_benchmarks_p90_is_at_least_its_median(smollm2_tokenizer):
+    """Its p90 took the rank rounded down, so with two steps it was the faster one, below the median."""
+    from benchmarks.structured_output import mask_step_times
+
+    report = mask_step_times(smollm2_tokenizer, len(smollm2_tokenizer), rows=2, steps=2)
+    assert report["p90_ms"] >= report["median_ms"], report
+
+
+def test_the_quantized_benchmark_measures_tp_1_alone_for_heads_no_second_degree_divides(tmp_path, monkeypatch):
+    """A --model-dir of 5 heads (none of 2, 3, 4 divides it) ended the weights section in a bare
+    StopIteration. The children that load each shard are this script's own, recorded here."""
+    import benchmarks.quantized as quantized
+    from tests.model_factory import build_random_model, save_model
+
+    model_dir = save_model(build_random_model("llama", hidden_size=40, num_heads=5, num_kv_heads=5), tmp_path / "m")
+    degrees = []
+
+    def child(spec):
+        degrees.append(spec["tp"])
+        return {"shard_bytes": 100, "added_peak_bytes": 0}
+    monkeypatch.setattr(quantized, "_run_child", child)
+    assert list(quantized.weights_section({"float32": model_dir})) == ["tp1_rank0"]
+    assert degrees == [1]
+
+
 def test_the_serving_benchmark_needs_a_tokenizer_in_the_model_folder_it_serves(tmp_path, capsys):
     """A folder with config.json and no tokenizer passed, and failed in transformers' AutoTokenizer
     once the server had started."""
