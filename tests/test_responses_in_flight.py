@@ -112,6 +112,7 @@ def test_a_response_deleted_while_it_streams_is_not_kept_at_its_end(tokenizer):
         response_id = first[0]["response"]["id"]
         assert gone == {"id": response_id, "object": "response", "deleted": True}
         assert rest[-1]["type"] == "response.completed"  # the answer still goes out whole
+        assert first[0]["response"]["store"] is True and rest[-1]["response"]["store"] is False  # as it ends: not kept
         for call in (get, delete):
             missing = await call(server, response_id)
             assert isinstance(missing, ProtocolError) and missing.status == 404 and "was deleted" in missing.message
@@ -302,7 +303,8 @@ def test_a_deleted_streaming_response_is_not_kept_though_more_streams_begin_mean
         assert (await delete(server, first_id))["deleted"] is True
         second = await server.responses(post("/v1/responses", {**asked(input="Sea?"), "stream": True}))
         await second.body_iterator.__anext__()  # begun: the only room in flight is its
-        assert events_of([chunk async for chunk in first.body_iterator])[-1]["type"] == "response.completed"
+        last = events_of([chunk async for chunk in first.body_iterator])[-1]
+        assert last["type"] == "response.completed" and last["response"]["store"] is False
         gone = await get(server, first_id)
         assert isinstance(gone, ProtocolError) and gone.status == 404
         [chunk async for chunk in second.body_iterator]

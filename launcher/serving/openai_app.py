@@ -691,9 +691,11 @@ class _KeptTurn:
     async def keep(self, response: dict) -> None:
         """Put, then no longer open, however the put ends: a shared store that fails it, or whose
         caller is cancelled meanwhile, forgets the response itself (response_store_server.py); a local
-        put never waits, so it cannot be cut off."""
+        put never waits, so it cannot be cut off. Either way not kept, the response's last event says
+        store: false (the put comes before that event is written)."""
         try:
             if not await self.store.put(response, self.turn, self.previous_id):
+                response["store"] = False
                 SERVER_LOG.info("corelaunch serve: response %s was deleted while it streamed: not kept", response["id"])
         except StoreUnavailable as err:
             response["store"] = False
