@@ -423,13 +423,7 @@ def validated_names(ckpt: CheckpointFiles, shapes: dict[str, tuple[int, ...]], c
     unknown = [n for n in shapes if n not in expected and not _ignorable(n, config)]
     if unknown:
         listed = ", ".join(f"{n!r} (in {ckpt.weight_map[n].name})" for n in unknown[:6])
-        prefixed = sum(f"model.{n}" in expected for n in unknown)
-        fix = (f"the names lack the 'model.' prefix of a causal LM's checkpoint ({prefixed} of them are "
-               f"expected as model.NAME): the weights were saved from the base model, not the "
-               f"ForCausalLM one; save them from the ForCausalLM model, or add the prefix"
-               if prefixed * 2 > len(unknown) else
-               f"check that config.json belongs to these weights (num_hidden_layers={config.num_hidden_layers}, "
-               f"attention_bias={config.attention_bias}, tie_word_embeddings={config.tie_word_embeddings})")
+        fix = _unknown_tensors_fix(unknown, expected, config)
         raise ValueError(
             f"{ckpt.describe()} holds {len(unknown)} tensor(s) that the {config.model_type} config does not "
             f"describe: {listed}{' ...' if len(unknown) > 6 else ''}; {fix}"
@@ -461,6 +455,28 @@ def validated_names(ckpt: CheckpointFiles, shapes: dict[str, tuple[int, ...]], c
             f"{' ...' if len(wrong) > 4 else ''}; config.json does not match these weights"
         )
     return list(expected)
+
+
+# transformers 5 holds an MoE layer's experts fused in memory (one tensor for all experts' gate and
+# up projections, one for their down projections); save_pretrained splits them into one tensor per
+# expert, but a raw torch.save(model.state_dict()) keeps the fused ones.
+FUSED_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _unknown_tensors_fix(unknown: list[str], expected: dict[str, tuple[int, ...]], config: ModelConfig) -> str:
+    """What to do about tensors the config does not describe, from what their names suggest."""
+    fused = next((n for n in unknown if n.endswith(FUSED_EXPERT_SUFFIXES)), None)
+    if fused is not None:
+        return (f"{fused!r} is one of transformers' fused in-memory experts (all experts in one tensor), as "
+                f"a state_dict saved directly holds them: load the model in transformers and save it with "
+                f"model.save_pretrained(dir), which writes one tensor per expert")
+    prefixed = sum(f"model.{n}" in expected for n in unknown)
+    if prefixed * 2 > len(unknown):
+        return (f"the names lack the 'model.' prefix of a causal LM's checkpoint ({prefixed} of them are "
+                f"expected as model.NAME): the weights were saved from the base model, not the "
+                f"ForCausalLM one; save them from the ForCausalLM model, or add the prefix")
+    return (f"check that config.json belongs to these weights (num_hidden_layers={config.num_hidden_layers}, "
+            f"attention_bias={config.attention_bias}, tie_word_embeddings={config.tie_word_embeddings})")
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:

@@ -15,12 +15,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from shardlib.config_fields import (MAX_CONFIG_INT, MAX_LAYERS, count, field_error, finite, flag, mapping,
                                     positive_number, show, token_id, token_ids)
-from shardlib.families import (LAYER_TYPES, SLIDING, check_activation, family_fields, layer_norm_elements,
-                                per_kind_rope, traits)
+from shardlib.families import (LAYER_TYPES, SLIDING, FamilyTraits, check_activation, family_fields,
+                                layer_norm_elements, per_kind_rope, traits)
 from shardlib.moe_configs import MOE_MODEL_TYPES, flatten_moe_config
 from shardlib.quantization import Quantization
 
@@ -281,6 +281,11 @@ class ModelConfig:
         if self.model_type in MOE_MODEL_TYPES and not experts:
             raise field_error("num_local_experts", experts, f"must be at least 1 for a {self.model_type} model "
                               f"(a mixture of experts)", "write the experts per layer (Mixtral: 8)")
+        if self.model_type not in MOE_MODEL_TYPES and (experts or per_token):  # is_moe means an MoE family
+            raise field_error("num_local_experts" if experts else "num_experts_per_tok", experts or per_token,
+                              f"is set for a {self.model_type} model, which has no experts",
+                              "leave it 0 (from_dict ignores a dense config.json's expert fields, as "
+                              "transformers does)")
         if experts and not 1 <= per_token <= experts:
             raise field_error("num_experts_per_tok", per_token,
                               f"must be between 1 and num_local_experts ({experts}) for a mixture-of-experts model",
@@ -452,14 +457,25 @@ class ModelConfig:
             mlp_bias=mlp_biased,
             **extra,
             torch_dtype=_dtype_field(raw),
-            num_local_experts=default("num_local_experts", family.num_local_experts),
-            num_experts_per_tok=default("num_experts_per_tok", family.num_experts_per_tok),
+            **_expert_fields(model_type, default, family),
             bos_token_id=token_id("bos_token_id", raw.get("bos_token_id")),
             eos_token_id=token_ids("eos_token_id", raw.get("eos_token_id")),
             pad_token_id=token_id("pad_token_id", raw.get("pad_token_id")),
             quantization=Quantization.from_json(raw.get("quantization_config")),
             **moe_fields,
         )
+
+
+def _expert_fields(model_type: str, default: Callable[[str, Any], Any],
+                   family: FamilyTraits) -> dict[str, Any]:
+    """num_local_experts and num_experts_per_tok: read for the mixture-of-experts families only. A
+    dense family's config.json may carry them (copied from another config); transformers' dense
+    models never read them, so neither does corelaunch: read, they made a Llama an MoE model whose
+    dense MLP tensors check_checkpoint then refused."""
+    if model_type not in MOE_MODEL_TYPES:
+        return {"num_local_experts": 0, "num_experts_per_tok": 0}
+    return {"num_local_experts": default("num_local_experts", family.num_local_experts),
+            "num_experts_per_tok": default("num_experts_per_tok", family.num_experts_per_tok)}
 
 
 def _rope_as_transformers_reads_it(raw: dict[str, Any], family_theta: float) -> tuple[Any, dict | None]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from shardlib.config_fields import field_error, mapping, positive_number, show
+from shardlib.config_fields import field_error, flag, mapping, positive_number, show
 from shardlib.families import ACTIVATION_ALIASES, traits
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "dbrx")
@@ -47,22 +47,40 @@ def flatten_moe_config(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
 def _qwen3_moe(raw: dict) -> tuple[dict, dict]:
     _check_activation("hidden_act", raw.get("hidden_act"))
     out = dict(raw)
-    experts = raw.get("num_local_experts", raw.get("num_experts"))  # transformers 5 / 4 spelling
-    out["num_local_experts"] = experts
+    out["num_local_experts"] = _first_set(raw, "num_local_experts", "num_experts")  # transformers 5 / 4 spelling
     # The experts' width (transformers' default where it is missing); no dense layer uses the other.
     width = raw.get("moe_intermediate_size")
     out["intermediate_size"] = traits("qwen3_moe").moe_intermediate_size if width is None else width
-    dense_layers = raw.get("mlp_only_layers") or []
+    dense_layers = _dense_layers_reached(raw.get("mlp_only_layers"), raw.get("num_hidden_layers"))
     step = raw.get("decoder_sparse_step", 1)
     if dense_layers or step not in (1, None):
         raise field_error("mlp_only_layers" if dense_layers else "decoder_sparse_step",
-                          dense_layers or step, "puts dense MLP layers between the MoE layers, which corelaunch "
-                          "does not run", "only Qwen3-MoE checkpoints whose every layer is MoE "
-                          "(mlp_only_layers [] and decoder_sparse_step 1) are supported")
-    norm = raw.get("norm_topk_prob", False)
-    if not isinstance(norm, bool):
-        raise field_error("norm_topk_prob", norm, "must be true or false", "write a bare JSON true or false")
+                          raw["mlp_only_layers"] if dense_layers else step,
+                          f"puts dense MLP layers{f' (layers {dense_layers})' if dense_layers else ''} between "
+                          "the MoE layers, which corelaunch does not run", "only Qwen3-MoE checkpoints whose every "
+                          "layer is MoE (mlp_only_layers [] and decoder_sparse_step 1) are supported")
+    # null reads as false: the router renormalises only when the flag is truthy
+    norm = flag("norm_topk_prob", raw.get("norm_topk_prob"))
     return out, {"moe_topk_norm": 1.0 if norm else None}  # q/k norms: families.TRAITS
+
+
+def _first_set(raw: dict, *names: str) -> Any:
+    """The first of `names` whose value is not null: an explicit `"num_local_experts": null` beside
+    `"num_experts": 4` means 4 experts, not the family default."""
+    return next((raw[name] for name in names if raw.get(name) is not None), None)
+
+
+def _dense_layers_reached(listed: Any, num_layers: Any) -> list[int]:
+    """The layers of mlp_only_layers that exist. An index outside 0..num_hidden_layers-1 names no layer
+    (transformers' layers never reach it), so it does not make the model partly dense."""
+    if listed is None:
+        return []
+    if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):
+        raise field_error("mlp_only_layers", listed, "must be a list of layer indices",
+                          "write a JSON list of integers, or [] when every layer is MoE")
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool):
+        return []  # ModelConfig refuses num_hidden_layers itself
+    return sorted({i for i in listed if 0 <= i < num_layers})
 
 
 # Llama's name -> DBRX's config.json path, for the fields _dbrx renames

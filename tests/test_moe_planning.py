@@ -138,6 +138,18 @@ def test_forced_expert_parallel_needs_experts_divisible_by_tp():
     assert layout.endswith("8 experts (no sharding: see moe_sharding_incompatible)") and "fits" not in layout
 
 
+def test_report_says_what_each_rank_holds_of_the_experts():
+    """The layout line said "per rank: ... 8 experts" under expert_parallel, where each rank holds 2."""
+    from launcher.cli.plan_command import format_report
+
+    def layout_line(sharding: str) -> str:
+        return format_report(plan(MIXTRAL, instance="trn1.32xlarge", tp=4, moe_sharding=sharding)).splitlines()[1]
+
+    heads = "per rank: 8 Q heads, 2 KV heads, "
+    assert layout_line(EXPERT_PARALLEL).endswith(heads + "2 whole experts of 8 (expert_parallel)")
+    assert layout_line(TENSOR_PARALLEL).endswith(heads + "8 experts, 1/4 of each (tensor_parallel)")
+
+
 def test_dbrx_fused_experts_need_their_intermediate_divisible_under_tensor_parallel():
     odd = ModelConfig(**{**DBRX.__dict__, "intermediate_size": 10750})  # 10750 % 16 != 0, 16 experts % 16 == 0
     assert plan(odd, instance="trn2.48xlarge", tp=16).moe_sharding == EXPERT_PARALLEL

@@ -13,6 +13,7 @@ import sys
 
 from launcher.cli.options import (add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, int_at_least,
                                   non_empty_path, with_flag_name)
+from shardlib.expert_sharding import EXPERT_PARALLEL, TENSOR_PARALLEL
 from shardlib.instances import CPU_TARGET, INSTANCE_NAMES, NEURON_FAMILIES
 from shardlib.model_config import load_model_config
 from shardlib.planner import KV_STRATEGIES, Plan, kv_rows_text, plan
@@ -172,7 +173,7 @@ def format_report(result: Plan) -> str:
         f"tp_degree {result.tp_degree} ({'auto' if result.tp_requested == 'auto' else 'requested'}), "
         f"{result.ranks_per_node} rank(s) per node, kv strategy {result.kv_strategy or '-'}, "
         f"per rank: {_or_dash(result.q_heads_per_rank)} Q heads, {_or_dash(result.kv_heads_per_rank)} KV heads"
-        + (f", {cfg.num_local_experts} experts ({result.moe_sharding or 'no sharding: see moe_sharding_incompatible'})"
+        + (f", {_experts_per_rank(cfg.num_local_experts, result.tp_degree, result.moe_sharding)}"
            if cfg.is_moe else ""),
         f"memory per rank: {_gib(mem.total_bytes_per_rank)} ("
         + " + ".join(f"{name} {_gib(n)}" for name, n in mem.parts)
@@ -189,6 +190,16 @@ def format_report(result: Plan) -> str:
     lines += [f"error [{issue.code}]: {issue.message}" for issue in result.errors]
     lines += [f"warning: {text}" for text in result.warnings]
     return "\n".join(lines)
+
+
+def _experts_per_rank(experts: int, tp: int, sharding: str | None) -> str:
+    """What one rank holds of the experts: expert_parallel gives each rank experts / tp whole ones,
+    tensor_parallel a 1/tp slice of every one (the total alone read as if each rank held them all)."""
+    if sharding == EXPERT_PARALLEL:
+        return f"{experts // tp} whole experts of {experts} ({sharding})"
+    if sharding == TENSOR_PARALLEL:
+        return f"{experts} experts, 1/{tp} of each ({sharding})"
+    return f"{experts} experts (no sharding: see moe_sharding_incompatible)"
 
 
 def _or_dash(value) -> str:
