@@ -44,7 +44,7 @@ from shardlib.expert_sharding import (EXPERT_PARALLEL, MOE_SHARDINGS, check_moe_
 from shardlib.instances import CPU_TARGET, GIB, NEURON_FAMILIES, NEURON_INSTANCES, InstanceType, get_instance
 from shardlib.families import layer_norm_elements
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
-from shardlib.quantization import PLANNER_DTYPE, UNQUANTIZABLE_MODEL_TYPES, normalize_quant_dtype
+from shardlib.quantization import PLANNER_DTYPE, UNQUANTIZABLE_MODEL_TYPES, Quantization, normalize_quant_dtype
 from shardlib.sharding import FUSED_QKV_MODEL_TYPES
 from shardlib.quantized_sizes import kv_dtype_name, planned_quantization, weight_bytes
 from shardlib.positive_int import is_non_negative_int, positive_int
@@ -126,7 +126,7 @@ class MemoryEstimate:
     """On the cpu target with float32 weights, the largest matrix a rank repacks as column panels
     (workers/packed_weight.py): while loading, each matrix's panels exist beside the original for a
     moment, and a prefill of 1024 rows or more unpacks one matrix into a temporary while it runs.
-    0 elsewhere (nothing is packed)."""
+    0 elsewhere, and where a rank packs nothing (a dense model quantized with its LM head)."""
     process_bytes_per_rank: int = 0
     """On the cpu target, RANK_PROCESS_BYTES: the rank's own process, in the same RAM as its
     tensors. 0 on devices (the process is in the host's RAM, not the device's)."""
@@ -372,18 +372,31 @@ def _weight_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: in
     return embed + cfg.num_hidden_layers * (attn + mlp + layer_norm_elements(cfg)) + h
 
 
-def _packing_scratch_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: int, quantized: bool) -> int:
-    """The largest matrix one rank packs: the vocabulary shard (the LM head, or the tied table that is
-    both), and for dense float32 layers the attention and MLP matrices, fused or not (the planner is
-    not told whether projections are fused, so it counts the larger). Quantized weights and
-    mixture-of-experts expert stacks are not packed."""
+def _packing_scratch_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: int,
+                              quantization: Quantization | None) -> int:
+    """The largest matrix one rank packs (0 when it packs none): the vocabulary shard (the LM head, or
+    the tied table that is both) unless it is quantized, a mixture-of-experts router, and for dense
+    float32 layers the attention and MLP matrices, fused or not (the planner is not told whether
+    projections are fused, so it counts the larger). Quantized weights (QuantizedWeight) and
+    mixture-of-experts expert stacks are not packed (workers/packed_weight.py)."""
     h, d = cfg.hidden_size, cfg.head_dim
-    largest = math.ceil(cfg.vocab_size / tp) * h
-    if not quantized:
+    largest = cfg.num_local_experts * h  # the router: float32, replicated, packed (0 for a dense model)
+    if not _lm_head_is_quantized(cfg, quantization):
+        largest = max(largest, math.ceil(cfg.vocab_size / tp) * h)
+    if quantization is None:
         largest = max(largest, (q_per_rank + 2 * kv_per_rank) * d * h, h * q_per_rank * d)
         if not cfg.is_moe:
             largest = max(largest, 2 * math.ceil(cfg.intermediate_size / tp) * h)
     return largest
+
+
+def _lm_head_is_quantized(cfg: ModelConfig, quantization: Quantization | None) -> bool:
+    # A tied LM head is the embedding table (quantized with `+embed`); an untied one is quantized
+    # with `+lm_head`. Either way it is then a QuantizedWeight, which is never packed.
+    if quantization is None:
+        return False
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    return quantization.is_quantized(head, cfg.tie_word_embeddings)
 
 
 def _kv_cache_dtype(config: ModelConfig, dtype: str, on_neuron: bool) -> str:
@@ -453,7 +466,7 @@ def _check(req: _Request, tp: int) -> _Check:
         model_weight_bytes=weight_bytes(cfg, req.dtype, _weight_elements(cfg, 1, heads, kv_heads), 1, heads,
                                         kv_heads, inst.is_neuron),
         kv_cache_dtype=kv_dtype, tp_degree=tp,
-        packing_scratch_bytes_per_rank=(_packing_scratch_elements(cfg, tp, q_per_rank, kv_per_rank, quantization is not None)
+        packing_scratch_bytes_per_rank=(_packing_scratch_elements(cfg, tp, q_per_rank, kv_per_rank, quantization)
                                         * DTYPE_BYTES["float32"] if packs else 0),
         process_bytes_per_rank=RANK_PROCESS_BYTES if inst.family == "cpu" else 0)
     # On cpu the capacity is a rank's share of its node's RAM (the fullest node decides), so this

@@ -16,6 +16,7 @@ from shardlib.instances import GIB, InstanceType, cpu_host, get_instance, gpu_no
 from shardlib.model_config import ModelConfig, load_model_config
 from shardlib.param_shapes import expected_shapes
 from shardlib.planner import RANK_PROCESS_BYTES, RESERVE_FRACTION, plan
+from shardlib.quantization import Quantization
 from shardlib.sharding import ShardLayout, slice_for
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
@@ -392,6 +393,10 @@ def test_packing_scratch_is_the_largest_packed_matrix_on_cpu_float32_only():
     assert plan(SMOLLM2, instance="cpu", tp=1, dtype="int8").memory.packing_scratch_bytes_per_rank == 0  # bf16 config
     fp32 = dataclasses.replace(SMOLLM2, torch_dtype="float32")
     assert plan(fp32, instance="cpu", tp=1, dtype="int8").memory.packing_scratch_bytes_per_rank == 49152 * 576 * 4
+    # With `--embedding` the tied table (the LM head) is quantized too: no matrix is left to pack.
+    embedding = dataclasses.replace(fp32, quantization=Quantization("int8", "per_channel_symmetric", "linear+embed"))
+    for tp in (1, 3):
+        assert plan(embedding, instance="cpu", tp=tp).memory.packing_scratch_bytes_per_rank == 0
 
 
 def test_packing_scratch_decides_a_plan_at_the_edge_of_the_ram():

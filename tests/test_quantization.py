@@ -710,3 +710,29 @@ def test_a_quantized_checkpoints_weight_not_stored_as_8_bit_codes_is_refused(tmp
         with pytest.raises(ValueError, match=rf"'{name}' in model.safetensors is F32 \(config\.json's "
                                              r"quantization_dtype 'int8' stores I8\).*not one `corelaunch quantize` writes"):
             check()
+
+
+@pytest.mark.parametrize("family, tied, modules", [
+    ("llama", True, "linear+embed"),  # the tied table is the LM head: quantized, so nothing is packed
+    ("llama", False, "linear+lm_head"),  # the untied head quantized: nothing is packed
+    ("llama", False, "linear+embed"),  # the embedding alone is quantized: the float32 head is packed
+    ("llama", True, "linear"),  # the float32 tied table is packed
+    ("mixtral", False, "linear+lm_head"),  # the float32 router is the one packed matrix
+])
+def test_the_planned_packing_scratch_is_the_largest_matrix_a_quantized_rank_packs(family, tied, modules):
+    """The planner's packing scratch equals the largest matrix pack_linear_weights really packs on a
+    quantized rank (it counted a vocabulary shard even where the LM head is quantized, so never packed)."""
+    from shardlib.planner import plan
+    from workers.packed_weight import PackedWeight, kernel, pack_linear_weights
+
+    if not kernel.available():
+        pytest.skip("the packed-weight kernel is not available here: nothing is packed")
+    model = build_random_model(family, seed=5, tie_word_embeddings=tied, vocab_size=4096)
+    quant = Quantization("int8", "per_channel_symmetric", modules)
+    state = quantize_state_dict(checkpoint_state_dict(model), quant, tied)  # the checkpoint's names
+    config = ModelConfig.from_dict({**model.config.to_dict(), "quantization_config": quant.to_json()})
+    rank_model = build_rank_model(config, state, 0, 1, SingleRank())
+    pack_linear_weights(rank_model)
+    packed = {id(m): m for m in rank_model.modules() if isinstance(m, PackedWeight)}.values()
+    largest = max((m.out_features * m.in_features * 4 for m in packed), default=0)
+    assert plan(config, instance="cpu", tp=1).memory.packing_scratch_bytes_per_rank == largest

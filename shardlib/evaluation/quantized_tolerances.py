@@ -4,8 +4,10 @@ Quantization changes logits by design, so NxD Inference's float defaults (top 5:
 would fail every quantized model. The values below are the largest relative errors measured on
 SmolLM2-135M-Instruct (2 prompts x 16 tokens, eager, TP 1, against transformers float32, with
 teacher forcing at divergences) with about 1.5x headroom, rounded to two figures: the relative errors all, the
-divergence differences of int8 per tensor and f8e5m2. Three divergence tolerances have more: int8
-per channel 0.1 (no divergence measured: chosen, 100x the float default of 0.001), f8e4m3 0.15 against 0.06 measured
+divergence differences of int8 per tensor, f8e4m3 per tensor and f8e5m2. A format's entry covers
+the larger of its errors with and without `quantize --embedding` where both were measured (f8e4m3
+per tensor: with it). Three divergence tolerances have more: int8
+per channel 0.1 (no divergence measured: chosen, 100x the float default of 0.001), f8e4m3 per channel 0.15 against 0.06 measured
 (2.5x), and the fp8 KV cache 1.0 against 0.20 alone (5x), sized so that int8 weights plus the KV
 cache (0.1 + 1.0) cover the 0.76 measured for both. So with an fp8 KV cache alone, a wrong token
 within 1 logit of the expected one passes. They state what each format costs that model, not a
@@ -16,9 +18,14 @@ difference (logit units; "-" where the greedy tokens never diverged):
   int8 per channel     0.026 / 0.034 / 0.040 / 0.056   -      (16 of 16 tokens equal on both prompts)
   int8 per tensor      0.169 / 0.172 / 0.216 / 0.254   0.86
   f8e4m3 per channel   0.097 / 0.126 / 0.143 / 0.161   0.06
+  f8e4m3 per tensor    0.073 / 0.114 / 0.126 / 0.129   0.37
+    with --embedding   0.086 / 0.142 / 0.167 / 0.178   0.65
   f8e5m2 per channel   0.192 / 0.192 / 0.253 / 0.315   0.47
   float32 + fp8 KV     0.055 / 0.059 / 0.078 / 0.090   0.20
   int8 + fp8 KV        0.061 / 0.069 / 0.089 / 0.106   0.76
+f8e4m3's relative errors per tensor are close to per channel's, but its divergences are not (0.37,
+and 0.65 with --embedding, against 0.06): a divergence difference depends on how near the reference's
+top two logits lie where the errors land, so each granularity's entry is measured, not copied.
 The weight and the KV-cache tolerances add up when both are quantized (errors of the two roughly add).
 """
 
@@ -35,7 +42,7 @@ WEIGHT_TOLERANCES = {
     ("int8", True): ((0.04, 0.05, 0.06, 0.08), 0.1),
     ("int8", False): ((0.25, 0.26, 0.32, 0.38), 1.3),
     ("f8e4m3", True): ((0.15, 0.19, 0.21, 0.24), 0.15),
-    ("f8e4m3", False): ((0.15, 0.19, 0.21, 0.24), 0.15),  # fp8 is floating point: the granularity barely matters
+    ("f8e4m3", False): ((0.13, 0.21, 0.25, 0.27), 0.98),
     ("f8e5m2", True): ((0.29, 0.29, 0.38, 0.47), 0.7),
     ("f8e5m2", False): ((0.29, 0.29, 0.38, 0.47), 0.7),
 }
