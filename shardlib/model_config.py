@@ -552,11 +552,22 @@ _READ_FROM_THE_WEIGHTS = {
 }
 """Where a checkpoint's own tensors give each required field's value (Llama-family names)."""
 
+_READ_FROM_DBRX_WEIGHTS = {
+    "hidden_size": "the columns of transformer.wte.weight",
+    "num_hidden_layers": "the count of transformer.blocks.N in the weights",
+    "num_attention_heads": "2 x attn_config.kv_n_heads x d_model / (the rows of a block's "
+                           "norm_attn_norm.attn.Wqkv.weight - d_model)",
+    "vocab_size": "the rows of transformer.wte.weight",
+}
+"""The same for DBRX's tensor names (its ffn_hidden_size has a default, so it is never missing);
+from_dict then renames the fields to the config.json's (in_dbrx_names)."""
+
 
 def missing_fields(missing: list[str], model_type: str, source: Path | None) -> str:
     """The refusal of a config.json without fields every model needs: which file to edit, and where
     the values come from (it named neither)."""
-    where = "; ".join(f"{name}: {_READ_FROM_THE_WEIGHTS[name]}" for name in missing)
+    read_from = _READ_FROM_DBRX_WEIGHTS if model_type == "dbrx" else _READ_FROM_THE_WEIGHTS
+    where = "; ".join(f"{name}: {read_from[name]}" for name in missing)
     return (f"{source or 'config.json'} lacks required field(s) {missing} for a {model_type} model; add each with "
             f"the value in the original model's config.json (the checkpoint's shapes give them too: {where})")
 

@@ -107,10 +107,8 @@ def _dbrx(raw: dict) -> tuple[dict, dict]:
                "num_key_value_heads": attn.get("kv_n_heads", 1), "intermediate_size": ffn.get("ffn_hidden_size", 3584),
                "num_local_experts": ffn.get("moe_num_experts", 4), "num_experts_per_tok": ffn.get("moe_top_k", 1),
                "rms_norm_eps": 1e-5}  # nn.LayerNorm's default eps, which DBRX's norms use
-    missing = [dbrx for dbrx, ours in (("d_model", "hidden_size"), ("n_heads", "num_attention_heads"),
-                                       ("n_layers", "num_hidden_layers")) if renamed[ours] is None]
-    if missing:
-        raise ValueError(f"config.json lacks required field(s) {missing} for a dbrx model")
+    # a missing d_model, n_heads or n_layers stays missing: the required-field refusal names the file
+    # and where the weights give the value (model_config.missing_fields), in DBRX's names
     out.update({k: v for k, v in renamed.items() if v is not None})
     if raw.get("rope_parameters") is None and attn.get("rope_theta") is not None:
         out["rope_theta"] = attn["rope_theta"]

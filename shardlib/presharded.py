@@ -463,7 +463,7 @@ def _check_tensors(reader: SafetensorsFile, shown_path: Path, entry: dict, manif
         detail = (f"tensor {missing[0]!r} is missing" if missing else f"tensor {extra[0]!r} is unexpected"
                   if extra else f"tensor {wrong[0]!r} has shape {found[wrong[0]][1]}, expected {want[wrong[0]]}")
         raise ValueError(f"{shown_path} does not hold rank {rank}'s shard for this config: {detail}; "
-                         f"write the pre-sharded checkpoint again")
+                         f"{damaged_fix}")  # a compiled directory's is copied or compiled again
 
 
 def _check_sha256(path: Path, shown_path: Path, entry: dict, force: bool, fix: str) -> None:

@@ -73,3 +73,36 @@ def test_a_plain_presharded_checkpoint_keeps_its_advice_and_a_caller_may_give_it
         load_presharded(copy, config, layout, 0, "float32")
     with pytest.raises(ValueError, match="it is corrupt; fetch it from the bucket again$"):
         load_presharded(copy, config, layout, 0, "float32", fix="fetch it from the bucket again")
+
+
+def _rewritten_with_an_extra_tensor(directory: Path) -> None:
+    """The rank file re-saved with one tensor more and its manifest entry rewritten to match (size,
+    sha256, tensors): only the config's own shard shapes can tell."""
+    import hashlib
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    rank_file = directory / RANK_FILE
+    save_file({**load_file(rank_file), "extra.weight": torch.zeros(2)}, rank_file)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    [entry] = manifest["files"]
+    entry.update(bytes=rank_file.stat().st_size, sha256=hashlib.sha256(rank_file.read_bytes()).hexdigest())
+    entry["tensors"]["extra.weight"] = {"dtype": "float32", "shape": [2]}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_shard_that_disagrees_with_the_config_names_the_directorys_own_fix(tmp_path, model):
+    """Told "write the pre-sharded checkpoint again" for a compiled directory too."""
+    model_dir, config, layout = model
+    compiled = _compiled(tmp_path, model)
+    _rewritten_with_an_extra_tensor(compiled / "weights")
+    with pytest.raises(ValueError) as refused:
+        load_presharded(compiled / "weights", config, layout, 0, "float32")
+    assert "does not hold rank 0's shard for this config: tensor 'extra.weight' is unexpected" in str(refused.value)
+    assert str(refused.value).endswith(f"; {_compile_fix(compiled)}"), str(refused.value)
+    copy = save_presharded(tmp_path / "pre", model_dir, config, layout, dtype="float32") or tmp_path / "pre"
+    _rewritten_with_an_extra_tensor(copy)
+    with pytest.raises(ValueError, match="is unexpected; copy it again or write the pre-sharded checkpoint again$"):
+        load_presharded(copy, config, layout, 0, "float32")

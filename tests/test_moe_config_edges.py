@@ -104,3 +104,24 @@ def test_fused_in_memory_experts_are_named_with_the_save_pretrained_fix(tmp_path
     # the fix it names works: save_pretrained writes one tensor per expert
     model.save_pretrained(tmp_path / "saved")
     check_checkpoint(tmp_path / "saved", config)
+
+
+@pytest.mark.parametrize("field, where", [
+    ("d_model", "d_model: the columns of transformer.wte.weight"),
+    ("n_layers", "n_layers: the count of transformer.blocks.N in the weights"),
+    ("n_heads", "n_heads: 2 x attn_config.kv_n_heads x d_model / (the rows of a block's "
+                "norm_attn_norm.attn.Wqkv.weight - d_model)"),
+])
+def test_a_dbrx_config_without_a_required_field_names_the_file_and_dbrxs_own_tensors(tmp_path, field, where):
+    """It said "config.json lacks required field(s) ['d_model'] for a dbrx model": no path, no fix."""
+    from pathlib import Path
+
+    raw = json.loads((Path(__file__).parent / "data" / "configs" / "dbrx-instruct.json").read_text())
+    del raw[field]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError) as refused:
+        load_model_config(tmp_path)
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / 'config.json'} lacks required field(s) ['{field}'] for a dbrx model; "
+                              f"add each with the value in the original model's config.json"), message
+    assert message.endswith(f"{where})"), message

@@ -9,7 +9,6 @@ those input shapes. Whether the real SDK accepts it is unverified.
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 
@@ -63,12 +62,16 @@ class DocumentedNxD(FakeNxD):
         self.module_api = types.SimpleNamespace(ModelBuilder=ModelBuilder, NxDModel=NxDModel)
 
 
-def test_compile_takes_the_ranks_cpu_share_and_each_call_names_its_buckets_graph(tmp_path):
+def test_compile_takes_the_ranks_cpu_share_and_each_call_names_its_buckets_graph(tmp_path, monkeypatch):
+    from workers import compiled_neuron
+
+    # the CPUs the process may use (shardlib/host_cpus.py: a container's quota), not os.cpu_count()
+    monkeypatch.setattr(compiled_neuron, "host_cpus", lambda: 8)
     buckets = Buckets.build(context=[8, 16], token=[32], batch=[1, 2])
     fake = DocumentedNxD()
     model = NeuronCompiledModel(eager_model(), buckets, rank=0, world_size=1, cache_dir=str(tmp_path),
                                 import_module=fake.import_module, ranks_on_node=4)
-    assert fake.max_workers == [compile_workers(os.cpu_count(), 4)]
+    assert fake.max_workers == [2]
     prompts = [[5, 9, 33, 17, 80], [7, 100, 21, 4, 66, 8, 120, 3, 44, 12, 61]]
     tokens = [o.token_ids for o in generate(model, prompts, [SamplingParams()] * 2, 4, [])]
     assert tokens == [o.token_ids for o in generate(eager_model(), prompts, [SamplingParams()] * 2, 4, [])]

@@ -34,7 +34,6 @@ directory's cache/neuron-rank-N.pt) and loaded from there by later processes ins
 from __future__ import annotations
 
 import inspect
-import os
 import tempfile
 from pathlib import Path
 
@@ -42,6 +41,7 @@ import torch
 from torch import nn
 
 from shardlib.buckets import Buckets
+from shardlib.host_cpus import host_cpus
 from workers.kv_cache import write_kv
 from workers.model import ShardedCausalLM
 from workers.step import EAGER, run_step
@@ -57,7 +57,7 @@ def compiler_args(lnc: int) -> str:
 
 def compile_workers(node_cpus: int | None, ranks_on_node: int) -> int:
     """neuronx-cc jobs one rank runs at once: its share of the node's CPUs, at least one (every rank
-    on the node compiles at the same time). node_cpus None: unknown (os.cpu_count()), one job."""
+    on the node compiles at the same time). node_cpus None: unknown, one job."""
     return max(1, (node_cpus or 1) // max(1, ranks_on_node))
 
 
@@ -166,7 +166,8 @@ class NeuronCompiledModel:
                 builder.trace(args=self._example(phase, batch, length), tag=bucket_tag(phase, batch, length))
             self._built = True
             # max_workers where the installed ModelBuilder takes it (documented for the V2 API)
-            workers = ({"max_workers": compile_workers(os.cpu_count(), ranks_on_node)}
+            # the CPUs this process may use (a container's quota, an affinity), not the host's count
+            workers = ({"max_workers": compile_workers(host_cpus(), ranks_on_node)}
                        if takes_keyword(builder.compile, "max_workers") else {})
             builder.compile(compiler_workdir=str(workdir / "neuronx-cc"), compiler_args=compiler_args(lnc),
                             **workers).save(str(saved))
