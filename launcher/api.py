@@ -1038,8 +1038,10 @@ class Launcher:
                 pinned = self._pin_cache_version(self._cache_path)
                 why = ("it was written again while this launch looked at it" if pinned is None
                        else presharded_cache.unusable(pinned, self.model_dir))
-                if why is None:
+                if why is None:  # said: it loaded silently, as if from --model
                     spec = dataclasses.replace(spec, presharded_dir=str(pinned))
+                    self._progress.note(f"loading the ranks' shards from the pre-sharded cache {self._cache_path} "
+                                        f"(a copy of {self.model_dir} an earlier launch wrote)")
                 else:  # loaded around, and written again once this load is done
                     if pinned is not None:
                         self._release_cache_hold(pinned)

@@ -94,6 +94,24 @@ def test_the_ranks_load_a_held_version_of_the_copy_not_its_link(tmp_path):
     assert not in_use(pinned)
 
 
+def test_a_launch_that_loads_from_the_copy_says_so(tmp_path, capsys):
+    """It loaded from the copy without a word, as if from --model."""
+    from launcher.api import Launcher
+
+    model_dir, config, layout = _model(tmp_path / "m")
+    copy = cache_dir(tmp_path / "cache", model_dir, config, layout, "float32")
+    assert _write(copy, model_dir, config, layout).ready
+    capsys.readouterr()
+    launcher = Launcher(model=str(model_dir), tp=2, presharded_cache=True, progress=True, compile=False,
+                        presharded_cache_dir=str(tmp_path / "cache")).prepare()
+    try:
+        assert launcher._make_load_spec().presharded_dir is not None
+    finally:
+        launcher._release_version_hold()
+    assert (f"loading the ranks' shards from the pre-sharded cache {copy} (a copy of {model_dir} an earlier "
+            f"launch wrote)") in " ".join(capsys.readouterr().err.split())
+
+
 def test_a_mixed_dtype_checkpoint_saved_without_a_dtype_is_refused_naming_the_dtypes(tmp_path):
     """save_presharded(dtype=None) recorded "mixed" and wrote a whole copy every launch refused."""
     import pytest
