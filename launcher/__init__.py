@@ -10,7 +10,7 @@ _EXPORTS = {
     "Launcher": "launcher.api",
     "LaunchConfig": "launcher.api",
     "GenerationResult": "launcher.api",
-    "SamplingParams": "workers.sampling",
+    "SamplingParams": "shardlib.sampling_params",  # workers.sampling's own, without importing torch
 }
 
 

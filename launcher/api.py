@@ -594,6 +594,20 @@ def _plain_number(value):
     return value if number is None else number
 
 
+def _refuse_per_request_options(options: dict) -> None:
+    """Launcher(max_new_tokens=5) ended in LaunchConfig's bare TypeError: name where such an option goes."""
+    from shardlib.sampling_params import SamplingParams
+
+    per_call = ("max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs",
+                "stream_interval", "batching")
+    sampling = {f.name for f in dataclasses.fields(SamplingParams)}
+    misplaced = [name for name in options if name in sampling or name in per_call]
+    if misplaced:
+        raise ValueError(f"{', '.join(misplaced)} {'is' if len(misplaced) == 1 else 'are'} not a launch option: "
+                         f"give {'it' if len(misplaced) == 1 else 'them'} to generate() / stream() (sampling "
+                         f"values in SamplingParams(...)), not to Launcher(...)")
+
+
 def _positive_seconds(name: str, value) -> None:
     """ValueError unless value is a positive number of seconds up to MAX_TIMEOUT_S (nan would switch
     a deadline off, a huge value overflow the first wait that uses it)."""
@@ -692,6 +706,8 @@ class Launcher:
             raise ValueError("pass either a LaunchConfig or keyword options, not both")
         # A copy checked again: a field set after the config was built (cfg.compile = "false") skipped
         # every check. __post_init__ takes its own output unchanged (prepare()'s replace() relies on it too).
+        if config is None:
+            _refuse_per_request_options(options)
         self.config = dataclasses.replace(config) if config is not None else LaunchConfig(**options)
         self.plan = None
         self.model_config: ModelConfig | None = None
@@ -1231,6 +1247,7 @@ class Launcher:
         corelaunch started Ray, Ray itself. Safe to call twice."""
         # Checked before anything stops: a bad value met halfway (the pool's joins) left the
         # streams failed, the groups running and the launcher neither usable nor restartable.
+        grace_s = _plain_number(grace_s)  # np.float32(1) as the other numbers are taken
         if (isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not finite(grace_s)
                 or not 0 <= grace_s <= MAX_TIMEOUT_S):
             raise ValueError(f"grace_s ({grace_s!r}) must be a number of seconds from 0 to {MAX_TIMEOUT_S}; "
@@ -1530,6 +1547,9 @@ class Launcher:
     def _running_pool(self):
         pool = self._pool  # once: a shutdown on another thread clears it between a check and a use
         if pool is None:
+            if self._start_thread is not None:  # said "call start()" while start() was connecting to Ray
+                raise LaunchError("the launcher is still starting (start() is connecting to Ray and placing "
+                                  "its groups on another thread); send requests once start() has returned")
             raise LaunchError("the launcher is not running: call start() or use it as a context manager")
         return pool
 

@@ -141,3 +141,32 @@ def test_cpu_replicas_planned_for_an_instance_are_checked_against_this_host(ray_
     assert message.startswith(f"replicas ({holds + 1}): {holds + 1} TP groups of 1 rank(s) need ") and (
         f"Ask for at most {holds}, or shrink" in message), message
     assert Launcher(instance="trn1.32xlarge", replicas=holds, **shape).prepare()._host_holds == holds
+
+
+def test_per_request_options_given_to_the_launcher_name_where_they_go(ray_tripwire):
+    """Launcher(max_new_tokens=5) ended in LaunchConfig's bare TypeError (an unexpected keyword)."""
+    with pytest.raises(ValueError) as refused:
+        Launcher(max_new_tokens=5, temperature=0.7)
+    assert str(refused.value) == ("max_new_tokens, temperature are not a launch option: give them to generate() / "
+                                  "stream() (sampling values in SamplingParams(...)), not to Launcher(...)")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
+        Launcher(no_such_option=1)  # any other unknown keyword: Python's own words, which name it
+
+
+def test_shutdown_takes_a_numpy_grace_as_the_other_numbers_are_taken():
+    Launcher(progress=False).shutdown(grace_s=np.float32(1.5))  # refused as "must be a number of seconds"
+    with pytest.raises(ValueError, match=r"grace_s \('1'\) must be a number of seconds"):
+        Launcher(progress=False).shutdown(grace_s="1")
+
+
+def test_a_request_while_start_connects_on_another_thread_says_it_is_starting():
+    """It said "the launcher is not running: call start()" while start() was connecting to Ray."""
+    from launcher.errors import LaunchError
+
+    llm = Launcher(progress=False)
+    llm._start_thread = threading.Thread()  # as start() marks itself until its groups are placed
+    with pytest.raises(LaunchError, match="the launcher is still starting .* once start\\(\\) has returned"):
+        llm.load()
+    llm._start_thread = None
+    with pytest.raises(LaunchError, match="not running: call start\\(\\)"):
+        llm.load()

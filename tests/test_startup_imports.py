@@ -162,3 +162,13 @@ def test_an_eager_prefill_product_does_not_import_the_compiler():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1]) == {"ok": True, "loaded": []}
+
+
+def test_sampling_params_from_the_launcher_package_imports_no_torch():
+    """`from launcher import SamplingParams` took workers.sampling's name, importing torch (7 s on 2
+    cores) for a class that lives in shardlib, as the package's lazy imports mean to avoid."""
+    code = ("import json, sys\nfrom launcher import SamplingParams\n"
+            "print(json.dumps({'torch': 'torch' in sys.modules, 'module': SamplingParams.__module__}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"torch": False, "module": "shardlib.sampling_params"}
