@@ -465,6 +465,12 @@ FUSED_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
 
 def _unknown_tensors_fix(unknown: list[str], expected: dict[str, tuple[int, ...]], config: ModelConfig) -> str:
     """What to do about tensors the config does not describe, from what their names suggest."""
+    mislabelled = None if config.is_moe else _expert_tensor_family(unknown)
+    if mislabelled is not None:
+        name, families = mislabelled
+        return (f"{name!r} is a mixture-of-experts tensor while config.json's model_type is {config.model_type} "
+                f"(a dense family: its expert fields are ignored, as transformers ignores them): set model_type "
+                f"in config.json to the family these weights were saved as ({families})")
     fused = next((n for n in unknown if n.endswith(FUSED_EXPERT_SUFFIXES)), None)
     if fused is not None:
         return (f"{fused!r} is one of transformers' fused in-memory experts (all experts in one tensor), as "
@@ -477,6 +483,18 @@ def _unknown_tensors_fix(unknown: list[str], expected: dict[str, tuple[int, ...]
                 f"ForCausalLM one; save them from the ForCausalLM model, or add the prefix")
     return (f"check that config.json belongs to these weights (num_hidden_layers={config.num_hidden_layers}, "
             f"attention_bias={config.attention_bias}, tie_word_embeddings={config.tie_word_embeddings})")
+
+
+# where each mixture-of-experts family's checkpoint keeps its experts: a Mixtral or Qwen3-MoE whose
+# config.json says mistral, llama or qwen3 reads as that dense model (as transformers reads it)
+_EXPERT_TENSOR_FAMILIES = {".block_sparse_moe.": "mixtral",
+                           ".mlp.experts.": "qwen3_moe or mixtral"}
+
+
+def _expert_tensor_family(unknown: list[str]) -> tuple[str, str] | None:
+    """(the first unknown tensor named as an expert layer's, the model_type(s) that store it so)."""
+    return next(((name, family) for name in unknown for part, family in _EXPERT_TENSOR_FAMILIES.items()
+                 if part in name), None)
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:

@@ -592,6 +592,32 @@ def _with_top_level_original_context(raw: dict[str, Any]) -> dict[str, Any]:
 
 UNHASHED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")
 """Fields config_hash leaves out: token ids and the stored dtype change no tensor's shape or numerics."""
+# The mixture-of-experts family whose weights a dense family's config.json most likely belongs to,
+# when it carries an expert count: Qwen3-MoE for the Qwen families, Mixtral for the others.
+_LIKELY_MOE_FAMILY = {"qwen2": ("Qwen3-MoE", "qwen3_moe"), "qwen3": ("Qwen3-MoE", "qwen3_moe")}
+
+
+def ignored_expert_fields(raw: Any) -> str | None:
+    """A warning when a dense family's config.json carries an expert count (num_local_experts, or
+    its alias num_experts) above 0: the count is ignored, as transformers ignores it, so a Mixtral
+    checkpoint saved with "model_type": "mistral" plans as a dense 7B model. None otherwise.
+    (Not a ModelConfig field: it would change the config hash of every checkpoint that carries it.)"""
+    if not isinstance(raw, dict) or raw.get("model_type") not in SUPPORTED_MODEL_TYPES \
+            or raw["model_type"] in MOE_MODEL_TYPES:
+        return None
+    name = next((n for n in ("num_local_experts", "num_experts") if _positive_count(raw.get(n))), None)
+    if name is None:
+        return None
+    model_type = raw["model_type"]
+    family, moe_type = _LIKELY_MOE_FAMILY.get(model_type, ("Mixtral", "mixtral"))
+    return (f"{name} ({raw[name]}) is ignored for a {model_type} model, as transformers ignores it; if these "
+            f"are {family} weights, set model_type to {moe_type}")
+
+
+def _positive_count(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 _HASHED_WHEN_SET = ("moe_topk_norm", "clip_qkv")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 

@@ -36,7 +36,9 @@ def flatten_moe_config(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     model_type = raw.get("model_type")
     if model_type == "mixtral":
         _check_activation("hidden_act", raw.get("hidden_act"))
-        return raw, {"moe_topk_norm": 1.0}  # Mixtral always renormalises its top-k
+        # transformers 5's MixtralConfig reads num_experts as num_local_experts (its attribute_map)
+        out = {**raw, "num_local_experts": _first_set(raw, "num_local_experts", "num_experts")}
+        return out, {"moe_topk_norm": 1.0}  # Mixtral always renormalises its top-k
     if model_type == "qwen3_moe":
         return _qwen3_moe(raw)
     if model_type == "dbrx":
@@ -45,6 +47,9 @@ def flatten_moe_config(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
 
 
 def _qwen3_moe(raw: dict) -> tuple[dict, dict]:
+    """Its nulls follow transformers 4.x (a null num_local_experts takes num_experts, a null
+    norm_topk_prob is false): transformers 5.25 refuses a null norm_topk_prob and leaves a null
+    expert count None, which no checkpoint runs with."""
     _check_activation("hidden_act", raw.get("hidden_act"))
     out = dict(raw)
     out["num_local_experts"] = _first_set(raw, "num_local_experts", "num_experts")  # transformers 5 / 4 spelling
@@ -59,7 +64,7 @@ def _qwen3_moe(raw: dict) -> tuple[dict, dict]:
                           f"puts dense MLP layers{f' (layers {dense_layers})' if dense_layers else ''} between "
                           "the MoE layers, which corelaunch does not run", "only Qwen3-MoE checkpoints whose every "
                           "layer is MoE (mlp_only_layers [] and decoder_sparse_step 1) are supported")
-    # null reads as false: the router renormalises only when the flag is truthy
+    # null reads as false (transformers 4.x): the router renormalises only when the flag is truthy
     norm = flag("norm_topk_prob", raw.get("norm_topk_prob"))
     return out, {"moe_topk_norm": 1.0 if norm else None}  # q/k norms: families.TRAITS
 

@@ -238,12 +238,13 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
     file damaged in place, for those messages (default: damaged_copy_fix).
     """
     shown = _shown(directory)
+    missing_fix = fix or missing_file_fix(directory)
     fix = fix or damaged_copy_fix(directory)
     check_layout(config, layout, rank)
     root = Path(directory).resolve()  # one version throughout, even when a writer swaps the link meanwhile
     manifest = read_manifest(root, shown=shown)
     _check_settings(manifest, shown, config, layout, dtype)
-    path, shown_path, entry = _rank_file(manifest, root, shown, rank)
+    path, shown_path, entry = _rank_file(manifest, root, shown, rank, missing_fix)
     _check_rank_of_file(path, shown_path, rank, layout.tp_degree)
     size = path.stat().st_size
     size_error = _size_error(shown_path, size, entry, fix)
@@ -272,8 +273,9 @@ def check_presharded_dir(directory: str | Path, config: ModelConfig, layout: Sha
     root = Path(directory).resolve()
     manifest = read_manifest(root, shown=shown)
     _check_settings(manifest, shown, config, layout, dtype)
+    missing_fix = fix or missing_file_fix(directory)
     for rank in range(layout.tp_degree):
-        path, shown_path, entry = _rank_file(manifest, root, shown, rank)
+        path, shown_path, entry = _rank_file(manifest, root, shown, rank, missing_fix)
         size = path.stat().st_size
         if size != entry["bytes"]:
             raise _size_error(shown_path, size, entry, fix or damaged_copy_fix(directory))
@@ -361,17 +363,17 @@ def _config_differences(source: str | None, manifest: dict[str, Any], config: Mo
             and getattr(cut_from, f.name) != getattr(config, f.name)]
 
 
-def _rank_file(manifest: dict[str, Any], root: Path, shown: Path, rank: int) -> tuple[Path, Path, dict]:
+def _rank_file(manifest: dict[str, Any], root: Path, shown: Path, rank: int,
+               missing_fix: str) -> tuple[Path, Path, dict]:
     """(path, path as messages name it, manifest entry) of `rank`'s file; refused when the manifest
-    lists none, names one outside the directory, or the file is missing."""
+    lists none, names one outside the directory, or the file is missing (missing_fix: what to do)."""
     entry = next((f for f in manifest["files"] if f["rank"] == rank), None)
     if entry is None:
         raise ValueError(f"{shown / MANIFEST} lists no file for rank {rank}; {_WRITE_HINT}")
     path = _inside(root, shown, entry["file"])
     shown_path = shown / entry["file"]
     if not path.is_file():
-        raise FileNotFoundError(f"pre-sharded file {shown_path} named in its {MANIFEST} is missing; copy the whole "
-                                f"directory again or write it again")
+        raise FileNotFoundError(f"pre-sharded file {shown_path} named in its {MANIFEST} is missing; {missing_fix}")
     return path, shown_path, entry
 
 
@@ -379,13 +381,27 @@ def damaged_copy_fix(directory: str | Path) -> str:
     """How to replace a file of `directory` damaged in place. A compiled directory's weights/ (next
     to its manifest and model/) were told to "write the pre-sharded checkpoint again", which no
     user of --compiled ever wrote: its fix is the directory copied again, or compiled again."""
+    return _compiled_dir_fix(directory) or "copy it again or write the pre-sharded checkpoint again"
+
+
+def missing_file_fix(directory: str | Path) -> str:
+    """How to replace a rank file missing from `directory`: a compiled directory's own fix (a missing
+    one said "write it again", which no user of --compiled ever wrote), else the whole pre-sharded
+    directory copied or written again."""
+    return (_compiled_dir_fix(directory)
+            or "copy the whole directory again or write the pre-sharded checkpoint again")
+
+
+def _compiled_dir_fix(directory: str | Path) -> str | None:
+    """The fix for a file of a compiled directory's weights/ (next to its manifest and model/);
+    None for any other directory."""
     root = Path(directory)
     compiled = root.parent
     if root.name == "weights" and (compiled / MANIFEST).is_file() and (compiled / "model").is_dir():
         shown = linking_out_dir(compiled) or compiled
         return (f"copy the compiled directory {shown} again (cp -rL: links followed), or run "
                 f"`corelaunch compile --out {shown}` again with the options it was compiled with")
-    return "copy it again or write the pre-sharded checkpoint again"
+    return None
 
 
 def _size_error(shown_path: Path, size: int, entry: dict, fix: str) -> ValueError:

@@ -106,3 +106,28 @@ def test_a_shard_that_disagrees_with_the_config_names_the_directorys_own_fix(tmp
     _rewritten_with_an_extra_tensor(copy)
     with pytest.raises(ValueError, match="is unexpected; copy it again or write the pre-sharded checkpoint again$"):
         load_presharded(copy, config, layout, 0, "float32")
+
+
+def test_a_missing_weights_file_of_a_compiled_directory_names_its_copy_or_compile(tmp_path, model):
+    """A compiled directory whose rank file is gone was told to "write it again", a pre-sharded
+    checkpoint no user of --compiled wrote; the load and the driver's check both name its own fix."""
+    _, config, layout = model
+    compiled = _compiled(tmp_path, model)
+    (compiled / "weights" / RANK_FILE).unlink()
+    for refuse in (lambda: load_presharded(compiled / "weights", config, layout, 0, "float32"),
+                   lambda: check_presharded_dir(compiled / "weights", config, layout, "float32")):
+        with pytest.raises(FileNotFoundError) as refused:
+            refuse()
+        assert str(refused.value).endswith(f"{RANK_FILE} named in its manifest.json is missing; "
+                                           f"{_compile_fix(compiled)}"), str(refused.value)
+
+
+def test_a_missing_file_of_a_plain_presharded_checkpoint_names_the_whole_directory(tmp_path, model):
+    model_dir, config, layout = model
+    copy = save_presharded(tmp_path / "pre", model_dir, config, layout, dtype="float32") or tmp_path / "pre"
+    (copy / RANK_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match="is missing; copy the whole directory again or write the "
+                                                "pre-sharded checkpoint again$"):
+        load_presharded(copy, config, layout, 0, "float32")
+    with pytest.raises(FileNotFoundError, match="is missing; fetch it from the bucket again$"):
+        check_presharded_dir(copy, config, layout, "float32", fix="fetch it from the bucket again")

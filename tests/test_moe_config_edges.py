@@ -1,5 +1,7 @@
 """Expert fields at the edges of what config.json and checkpoints hold, read as transformers reads
-them: stray expert fields on a dense model, Qwen3-MoE's null and out-of-range settings, and a
+them: stray expert fields on a dense model (and a Mixtral saved as one), Mixtral's num_experts
+alias, Qwen3-MoE's null and out-of-range settings (its nulls as transformers 4.x reads them:
+transformers 5.25 refuses a null norm_topk_prob and leaves a null expert count None), and a
 checkpoint saved from transformers' fused in-memory experts."""
 
 from __future__ import annotations
@@ -54,10 +56,63 @@ def test_dense_config_built_directly_with_experts_is_refused():
         ModelConfig(**{**ModelConfig.from_dict(dense).__dict__, **STRAY_EXPERTS})
 
 
+def _saved_mixtral(directory, **config_changes) -> dict:
+    """A saved tiny Mixtral (4 experts) whose config.json is edited: key -> value, None deletes it."""
+    save_model(build_random_model("mixtral"), directory)
+    raw = json.loads((directory / "config.json").read_text())
+    raw.update({k: v for k, v in config_changes.items() if v is not None})
+    for key in (k for k, v in config_changes.items() if v is None):
+        raw.pop(key)
+    (directory / "config.json").write_text(json.dumps(raw))
+    return raw
+
+
+@pytest.mark.parametrize("dense_type", ["mistral", "llama"])
+def test_a_mixtral_saved_as_a_dense_family_is_refused_naming_model_type(tmp_path, dense_type):
+    """transformers reads it dense, and so does corelaunch; the refusal said "check that config.json
+    belongs to these weights (num_hidden_layers=..., attention_bias=...)", not which field is wrong."""
+    _saved_mixtral(tmp_path, model_type=dense_type)
+    config = load_model_config(tmp_path)
+    assert not config.is_moe
+    with pytest.raises(ValueError) as refused:
+        check_checkpoint(tmp_path, config)
+    assert str(refused.value).endswith(
+        f"'model.layers.0.block_sparse_moe.experts.0.w1.weight' is a mixture-of-experts tensor while config.json's "
+        f"model_type is {dense_type} (a dense family: its expert fields are ignored, as transformers ignores "
+        f"them): set model_type in config.json to the family these weights were saved as (mixtral)"), refused.value
+
+
+def test_a_raw_moe_state_dict_saved_as_a_dense_family_names_model_type_first(tmp_path):
+    """Fused in-memory experts under a dense model_type: the model_type is the first thing to fix."""
+    save_model(build_random_model("qwen3_moe"), tmp_path, fmt="bin")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "qwen3"}))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' is a mixture-of-"
+                                         r"experts tensor while config\.json's model_type is qwen3 .* \(qwen3_moe "
+                                         r"or mixtral\)$"):
+        check_checkpoint(tmp_path, load_model_config(tmp_path))
+
+
+def test_mixtral_reads_num_experts_as_num_local_experts(tmp_path):
+    """transformers 5's MixtralConfig maps num_experts to num_local_experts; corelaunch took the
+    family default of 8 experts for the saved 4, and refused the checkpoint's tensors."""
+    import transformers
+
+    _saved_mixtral(tmp_path, num_local_experts=None, num_experts=4)
+    assert transformers.AutoConfig.from_pretrained(tmp_path).num_local_experts == 4
+    config = load_model_config(tmp_path)
+    assert config.num_local_experts == 4
+    check_checkpoint(tmp_path, config)
+    # an explicit null beside it is the same file
+    assert ModelConfig.from_dict({**json.loads((tmp_path / "config.json").read_text()),
+                                  "num_local_experts": None}).num_local_experts == 4
+
+
 # ---- Qwen3-MoE's config fields -----------------------------------------------------------------
 def test_qwen3_moe_null_num_local_experts_takes_num_experts():
     """`raw.get("num_local_experts", raw.get("num_experts"))` returned the null, so the family
-    default of 128 experts replaced the 4 the file names."""
+    default of 128 experts replaced the 4 the file names (transformers 4.x reads num_experts;
+    5.25 leaves the count None)."""
     config = ModelConfig.from_dict({**QWEN3_MOE, "num_local_experts": None})
     assert config.num_local_experts == 4
     # both set: num_local_experts wins, as in transformers' Qwen3MoeConfig
@@ -81,7 +136,8 @@ def test_qwen3_moe_mlp_only_layers_past_the_last_layer_are_ignored(tmp_path):
 
 
 def test_qwen3_moe_null_norm_topk_prob_reads_as_false():
-    """The router renormalises only when the flag is truthy; null was refused."""
+    """The router renormalises only when the flag is truthy, as transformers 4.x reads it (5.25
+    refuses a null norm_topk_prob); null was refused."""
     assert ModelConfig.from_dict({**QWEN3_MOE, "norm_topk_prob": None}).moe_topk_norm is None
     assert ModelConfig.from_dict({**QWEN3_MOE, "norm_topk_prob": False}).moe_topk_norm is None
     assert ModelConfig.from_dict({**QWEN3_MOE, "norm_topk_prob": True}).moe_topk_norm == 1.0

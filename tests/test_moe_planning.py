@@ -142,12 +142,15 @@ def test_report_says_what_each_rank_holds_of_the_experts():
     """The layout line said "per rank: ... 8 experts" under expert_parallel, where each rank holds 2."""
     from launcher.cli.plan_command import format_report
 
-    def layout_line(sharding: str) -> str:
-        return format_report(plan(MIXTRAL, instance="trn1.32xlarge", tp=4, moe_sharding=sharding)).splitlines()[1]
+    def layout_line(sharding: str | None, tp: int = 4) -> str:
+        return format_report(plan(MIXTRAL, instance="trn1.32xlarge", tp=tp, moe_sharding=sharding)).splitlines()[1]
 
     heads = "per rank: 8 Q heads, 2 KV heads, "
     assert layout_line(EXPERT_PARALLEL).endswith(heads + "2 whole experts of 8 (expert_parallel)")
     assert layout_line(TENSOR_PARALLEL).endswith(heads + "8 experts, 1/4 of each (tensor_parallel)")
+    # one expert a rank was "1 whole experts of 8"; one rank holding them all was "1/1 of each"
+    assert layout_line(EXPERT_PARALLEL, tp=8).endswith("1 KV heads, 1 whole expert of 8 (expert_parallel)")
+    assert layout_line(None, tp=1).endswith("8 KV heads, 8 experts, whole (tensor_parallel)")
 
 
 def test_dbrx_fused_experts_need_their_intermediate_divisible_under_tensor_parallel():

@@ -276,3 +276,37 @@ def test_a_refused_option_is_named_by_its_flag(capsys, flag, field):
     out = plan_in_process(capsys, "--model", SMOLLM2, flag, "0")
     assert out.returncode == 2
     assert out.stderr.strip() == f"corelaunch plan: {flag} (0) must be a positive integer"
+
+
+MIXTRAL = CONFIGS / "mixtral-8x7b-v0.1.json"
+MIXTRAL_IGNORED = ("num_local_experts (8) is ignored for a mistral model, as transformers ignores it; if these "
+                   "are Mixtral weights, set model_type to mixtral")
+
+
+def test_a_mixtral_config_saved_as_mistral_plans_dense_with_a_warning(capsys, tmp_path):
+    """It planned silently as a dense 7B model (46.7B as mixtral): transformers reads it dense too, so
+    the plan stays dense, but says the expert count it ignored and how to run the experts."""
+    (tmp_path / "config.json").write_text(json.dumps({**json.loads(MIXTRAL.read_text()), "model_type": "mistral"}))
+    out = plan_in_process(capsys, "--model", str(tmp_path), "--instance", "trn1.32xlarge", "--tp", "8")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("VALID: mistral (32 heads, 8 KV heads, 7.24 B params)"), lines[0]
+    assert f"warning: {MIXTRAL_IGNORED}" in lines, out.stdout
+    as_json = plan_in_process(capsys, "--model", str(tmp_path / "config.json"), "--instance", "trn1.32xlarge",
+                              "--tp", "8", "--json")
+    result = json.loads(as_json.stdout)  # still one JSON object on stdout
+    assert result["warnings"] == [MIXTRAL_IGNORED] and result["model"]["num_local_experts"] == 0
+    # the real Mixtral, and a dense config without an expert count, say nothing of it
+    for config in (MIXTRAL, CONFIGS / "llama-3.1-8b.json"):
+        quiet = plan_in_process(capsys, "--model", str(config), "--instance", "trn1.32xlarge", "--tp", "8")
+        assert "is ignored for a" not in quiet.stdout, quiet.stdout
+
+
+def test_a_qwen3_moe_config_saved_as_qwen3_names_qwen3_moe(capsys, tmp_path):
+    raw = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 128, "head_dim": 16, "intermediate_size": 200,
+           "num_experts": 4, "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    result = json.loads(plan_in_process(capsys, "--model", str(tmp_path), "--tp", "2", "--json").stdout)
+    assert result["warnings"] == ["num_experts (4) is ignored for a qwen3 model, as transformers ignores it; if "
+                                  "these are Qwen3-MoE weights, set model_type to qwen3_moe"]

@@ -8,14 +8,16 @@ fraction of a second and never starts Ray. Exit code 0 when the layout is valid,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from launcher.cli.options import (add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, int_at_least,
                                   non_empty_path, with_flag_name)
 from shardlib.expert_sharding import EXPERT_PARALLEL, TENSOR_PARALLEL
 from shardlib.instances import CPU_TARGET, INSTANCE_NAMES, NEURON_FAMILIES
-from shardlib.model_config import load_model_config
+from shardlib.model_config import ignored_expert_fields, load_model_config, read_config_json
 from shardlib.planner import KV_STRATEGIES, Plan, kv_rows_text, plan
 from shardlib.quantized_sizes import planned_quantization
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS, serving_cache_rows
@@ -115,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
                       kv_cache_dtype=args.kv_cache_dtype,
                       kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads,
                       moe_sharding=args.moe_sharding)
+        result = _with_config_warnings(result, model)
     except (OSError, ValueError) as err:
         # a missing path or demo package, an unknown architecture, a malformed argument (named by
         # its option, as the other commands name theirs)
@@ -127,6 +130,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_report(result))
     return EXIT_VALID if result.valid else EXIT_INVALID
+
+
+def _with_config_warnings(result: Plan, model: str | Path) -> Plan:
+    """The plan with what config.json says that the model ignores added to its warnings (the text
+    report's `warning:` lines, --json's "warnings"): a Mixtral saved as "mistral" with
+    num_local_experts 8 plans as a dense 7B model, as transformers reads it, with no word otherwise."""
+    path = Path(model)
+    warning = ignored_expert_fields(read_config_json(path / "config.json" if path.is_dir() else path))
+    if warning is None:
+        return result
+    return dataclasses.replace(result, warnings=(*result.warnings, warning))
 
 
 def _named_by_flag(error: BaseException) -> str:
@@ -196,9 +210,10 @@ def _experts_per_rank(experts: int, tp: int, sharding: str | None) -> str:
     """What one rank holds of the experts: expert_parallel gives each rank experts / tp whole ones,
     tensor_parallel a 1/tp slice of every one (the total alone read as if each rank held them all)."""
     if sharding == EXPERT_PARALLEL:
-        return f"{experts // tp} whole experts of {experts} ({sharding})"
-    if sharding == TENSOR_PARALLEL:
-        return f"{experts} experts, 1/{tp} of each ({sharding})"
+        held = experts // tp
+        return f"{held} whole expert{'' if held == 1 else 's'} of {experts} ({sharding})"
+    if sharding == TENSOR_PARALLEL:  # at tp 1 the one rank holds them whole, not "1/1 of each"
+        return f"{experts} experts, {'whole' if tp == 1 else f'1/{tp} of each'} ({sharding})"
     return f"{experts} experts (no sharding: see moe_sharding_incompatible)"
 
 
