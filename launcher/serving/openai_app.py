@@ -696,7 +696,8 @@ class _KeptTurn:
         try:
             if not await self.store.put(response, self.turn, self.previous_id):
                 response["store"] = False
-                SERVER_LOG.info("corelaunch serve: response %s was deleted while it streamed: not kept", response["id"])
+                SERVER_LOG.info("corelaunch serve: response %s was deleted, forgotten or abandoned before it was kept: "
+                                "not kept", response["id"])
         except StoreUnavailable as err:
             response["store"] = False
             SERVER_LOG.warning("corelaunch serve: response %s was answered but not kept: %s", response["id"], err)
