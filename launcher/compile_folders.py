@@ -52,6 +52,7 @@ def check_compile_folders(config, backend: str, into_out: bool = False) -> None:
             raise ValueError(f"TORCHINDUCTOR_CACHE_DIR ({named}) holds whitespace, a quote or a backslash, which "
                              f"inductor's C++ compiler command line cannot take; name a path without them, or unset it "
                              f"(corelaunch then uses its own folder under CORELAUNCH_CACHE), {NO_COMPILE}")
+        _check_named_cache(named, config)
         return
     from workers.inductor_cache import default_inductor_cache
     from workers.native_build import NativeUnavailable, trusted_dir
@@ -68,6 +69,18 @@ def check_compile_folders(config, backend: str, into_out: bool = False) -> None:
         fix = "" if "CORELAUNCH_CACHE" in text else "; set CORELAUNCH_CACHE to a directory this user can write"
         raise ValueError(f"{_named(cache.parent)} cannot hold inductor's compiled graphs: {text}{fix}, "
                          f"{_no_compile_for(config)}") from None
+
+
+def _check_named_cache(named: str, config) -> None:
+    """A TORCHINDUCTOR_CACHE_DIR that cannot be made or written (under a file, a read-only mount, a
+    typo) failed every rank's load with "Artifact of type=precompile already registered", naming
+    neither the variable nor the folder; made here as each rank would make it."""
+    from workers.inductor_cache import UNUSABLE_FIXES, unusable_named_folder
+
+    why = unusable_named_folder(named)
+    if why is not None:
+        raise ValueError(f"TORCHINDUCTOR_CACHE_DIR ({named}) cannot hold inductor's compiled graphs: {why}; "
+                         f"{UNUSABLE_FIXES}, {_no_compile_for(config)}")
 
 
 def _named(cache_root: Path) -> str:

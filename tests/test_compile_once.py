@@ -147,23 +147,47 @@ def test_a_cache_hit_counts_as_compiled_by_a_peer_only_when_compiled_since_the_p
     assert _compile_again(scaled_sum, monkeypatch, time.time() + 1).compiled_by_peer == 0  # an earlier run's
 
 
-def test_a_stuck_holder_is_waited_for_at_most_the_limit(tmp_path, monkeypatch, capfd):
-    import workers.compile_once as compile_once
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(compile_once, "WAIT_LIMIT_S", 0.5)
+def compile_while_its_lock_is_held(tmp_path):
+    """(the graph's key, its lock file, the output) of scaled_sum compiled through CompileOnce while
+    this process holds the graph's lock through another open file, never releasing it meanwhile."""
     [key] = keys_of(scaled_sum, torch.ones(4, 8))
-    folder = tmp_path / "inductor" / LOCK_FOLDER
-    folder.mkdir(parents=True)
-    fd = os.open(folder / f"{key}.lock", os.O_RDWR | os.O_CREAT)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # held, never released while the backend runs
+    lock = tmp_path / "inductor" / LOCK_FOLDER / f"{key}.lock"
+    lock.parent.mkdir(parents=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         torch._dynamo.reset()
         out = torch.compile(scaled_sum, backend=CompileOnce(), dynamic=False)(torch.ones(4, 8))
     finally:
         os.close(fd)
+    return key, lock, out
+
+
+def test_a_stuck_holder_is_waited_for_at_most_the_limit(tmp_path, monkeypatch, capfd):
+    import workers.compile_once as compile_once
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(compile_once, "WAIT_LIMIT_S", 0.5)
+    _, _, out = compile_while_its_lock_is_held(tmp_path)
     assert out.tolist() == [32.0] * 4
     assert "waited 0 s for another process's compile of a graph; compiling it here" in capfd.readouterr().err
+
+
+def test_a_long_wait_names_the_lock_and_its_holder_once(tmp_path, monkeypatch, capfd):
+    """A rank waiting on another process's compile said nothing for up to WAIT_LIMIT_S (15 minutes),
+    past the default request timeout, which then named only itself."""
+    import workers.compile_once as compile_once
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(compile_once, "WAIT_NOTE_AFTER_S", 0.2, raising=False)  # older code: no note
+    monkeypatch.setattr(compile_once, "WAIT_LIMIT_S", 1.5)
+    key, lock, out = compile_while_its_lock_is_held(tmp_path)
+    assert out.tolist() == [32.0] * 4
+    err = capfd.readouterr().err
+    note = f"corelaunch: waiting for another process's compile of graph {key} (lock {lock}"
+    assert err.count(note) == 1, err
+    if Path("/proc/locks").exists():
+        assert f"{note}, held by pid {os.getpid()}); up to 2 s, then compiled here" in err, err
 
 
 @pytest.mark.parametrize("planted", ["symlink", "fifo"])

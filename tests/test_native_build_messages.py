@@ -8,6 +8,8 @@ import errno
 import os
 import re
 import shutil
+import subprocess
+import time
 import types
 import warnings
 from pathlib import Path
@@ -207,3 +209,30 @@ def test_a_cached_library_that_does_not_load_elsewhere_is_still_called_maybe_dam
     with pytest.raises(NativeUnavailable, match="if .* is damaged, delete it") as raised:
         native_build.build_and_load(PROBES["c"], directory)
     assert "noexec" not in str(raised.value)
+
+
+@pytest.mark.skipif(not HAS_C, reason="no C compiler")
+def test_a_killed_builds_folder_beside_a_built_library_is_swept_by_the_next_load(tmp_path):
+    """Dead builds' folders were swept only before a compile: once the library existed nothing
+    compiled again, and the folder of a build killed before that stayed in the cache for good."""
+    from shardlib.process_alive import process_alive, writer_tag
+
+    cache = tmp_path / "cache"
+    os.close(native_build.build(PROBES["c"], cache))  # the library exists: later loads compile nothing
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert not process_alive(child.pid)
+    namespace = native_build._pid_namespace()
+    dead = cache / f".build-{writer_tag().rsplit('-', 1)[0]}-{child.pid}-{namespace}n0000aaaa"
+    dead.mkdir()
+    (dead / "source.c").write_text("int probe(void) { return 7; }\n")
+    fd, compiled = native_build._build(PROBES["c"], cache)
+    os.close(fd)
+    assert not compiled, "the library was there: this load should not have compiled"
+    if namespace:  # a folder of this pid namespace's dead writer: swept at once
+        assert not dead.exists(), list(cache.iterdir())
+    else:  # no namespace to tell by: only an old folder is swept
+        old = time.time() - native_build._UNSEEN_WRITER_S - 60
+        os.utime(dead, (old, old))
+        os.close(native_build.build(PROBES["c"], cache))
+        assert not dead.exists(), list(cache.iterdir())

@@ -16,7 +16,8 @@ Never a deadlock: the lock covers inductor's compile only, never running a graph
 runs under it and no rank waits on a rank that waits on it; dynamo compiles one graph at a time per
 process, so a process never holds two. The lock is released explicitly (a process forked while it
 was held, such as a compile worker, would otherwise keep it), a process that dies releases it, and
-a rank waits at most WAIT_LIMIT_S before it compiles on its own.
+a rank waits at most WAIT_LIMIT_S before it compiles on its own (saying after
+WAIT_NOTE_AFTER_S which lock it waits on, and its holder's pid where /proc/locks tells).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ LOCK_FOLDER = "corelaunch-compile-locks"
 WAIT_LIMIT_S = 900.0
 """How long a rank waits for another's compile of a graph before compiling it itself (with a line on
 stderr): far past any single graph's compile, so only a stuck process is waited out."""
+
+WAIT_NOTE_AFTER_S = 20.0
+"""How long a rank waits for another's compile before saying so (once, on stderr, as its other
+compile notes are said): a wait can outlast the request's own timeout, which named nothing else."""
 
 POLL_S = 0.05
 
@@ -104,21 +109,21 @@ class CompileOnce:
         try:
             folder = _lock_folder()
             folder.mkdir(parents=True, exist_ok=True)
-            key = graph_key(gm, example_inputs)
-            fd = _open_lock(folder / f"{key}.lock")
+            lock = folder / f"{graph_key(gm, example_inputs)}.lock"
+            fd = _open_lock(lock)
         except OSError:  # no writable cache directory: compile as if alone
             return compile_fx(gm, example_inputs)
         if fd is None:  # not a lock file of this user's: never written to, compiled as if alone
             return compile_fx(gm, example_inputs)
         try:
-            self._lock(fd)
+            self._lock(fd, lock)
             hits, misses = _counter("fxgraph_cache_hit"), _counter("fxgraph_cache_miss")
             compiled = compile_fx(gm, example_inputs)
             if _counter("fxgraph_cache_miss") > misses:
                 os.pwrite(fd, b"compiled", 0)  # the file's mtime: when this graph was last compiled
-                self._compiled_here.add(key)
+                self._compiled_here.add(lock.stem)
             elif (_counter("fxgraph_cache_hit") > hits and os.fstat(fd).st_mtime >= _PROCESS_START
-                  and key not in self._compiled_here):
+                  and lock.stem not in self._compiled_here):
                 self.compiled_by_peer += 1  # compiled by another process since this one started
             return compiled
         finally:
@@ -129,10 +134,10 @@ class CompileOnce:
             os.close(fd)
 
     @staticmethod
-    def _lock(fd: int) -> None:
+    def _lock(fd: int, path: Path) -> None:
         """Exclusive at once when free; else shared once the holder is done (so that all who waited
         read the cache at once), or nothing after WAIT_LIMIT_S; nothing on a file system without
-        locks (some network mounts)."""
+        locks (some network mounts). A wait past WAIT_NOTE_AFTER_S is said once."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
@@ -140,15 +145,46 @@ class CompileOnce:
             pass
         except OSError:
             return
-        deadline = time.monotonic() + WAIT_LIMIT_S
+        start = time.monotonic()
+        deadline, note_at = start + WAIT_LIMIT_S, start + WAIT_NOTE_AFTER_S
         while time.monotonic() < deadline:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
+                if note_at is not None and time.monotonic() >= note_at:
+                    _say_waiting(fd, path)
+                    note_at = None
                 time.sleep(POLL_S)
         print(f"corelaunch: waited {WAIT_LIMIT_S:.0f} s for another process's compile of a graph; "
               f"compiling it here", file=sys.stderr, flush=True)
+
+
+def _say_waiting(fd: int, path: Path) -> None:
+    holder = _holder_pid(fd)
+    held_by = f", held by pid {holder}" if holder is not None else ""
+    print(f"corelaunch: waiting for another process's compile of graph {path.stem} (lock {path}{held_by}); "
+          f"up to {WAIT_LIMIT_S:.0f} s, then compiled here", file=sys.stderr, flush=True)
+
+
+def _holder_pid(fd: int) -> int | None:
+    """The pid holding a flock on the file behind `fd`, as /proc/locks tells it (None where it does
+    not: no /proc, or a holder in another pid namespace, shown there as 0 or -1)."""
+    st = os.fstat(fd)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            lines = locks.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF"; a waiter's line has "->" after the number
+        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK" or fields[5] != inode:
+            continue
+        if fields[4].isdigit() and int(fields[4]) > 0:
+            return int(fields[4])
+    return None
 
 
 BACKEND = CompileOnce()

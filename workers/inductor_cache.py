@@ -15,7 +15,11 @@ trust and is kept; so is a compiled-model directory's cache (workers/compiled.us
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
+import sys
+import tempfile
 from pathlib import Path
 
 VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
@@ -25,6 +29,12 @@ _trusted: set[Path] = set()
 """Folders this process has checked (each compile asks)."""
 _written: list[str] = []
 """The value this module last wrote into TORCHINDUCTOR_CACHE_DIR: its own, not the user's choice."""
+_failed_imports: list[BaseException] = []
+"""What went wrong importing inductor on the prefetch thread (workers/backends/inductor.py): said by
+the first compile instead of what a second import of the half-made modules would say."""
+
+UNUSABLE_FIXES = ("name a folder this user can write, or unset it (corelaunch then uses its own folder under "
+                  "CORELAUNCH_CACHE)")
 
 
 def default_inductor_cache() -> Path:
@@ -38,9 +48,15 @@ def ensure_private_inductor_cache() -> None:
     inductor's precompiled headers moved into that folder (into the named one where this user's
     cannot be made or trusted). Inductor reads both at each use, so this holds for every later
     compile of the process. NativeUnavailable (a RuntimeError) naming the folder and the fix where
-    nothing is named and this user's folder cannot be trusted."""
+    nothing is named and this user's folder cannot be trusted, or where the named folder cannot be
+    made or written; RuntimeError where importing inductor failed on the prefetch thread."""
     from workers.native_build import NativeUnavailable, trusted_dir
 
+    if _failed_imports:
+        err = _failed_imports[0]
+        raise RuntimeError(f"importing inductor (torch's compiler) failed while the shard was read: "
+                           f"{type(err).__name__}: {err}") from err
+    _check_named_folder()  # before named_by_user() below imports inductor
     named = named_by_user()
     directory: Path | None = default_inductor_cache()
     if directory not in _trusted:
@@ -58,6 +74,64 @@ def ensure_private_inductor_cache() -> None:
         os.environ[VARIABLE] = os.path.abspath(directory)
         _written[:] = [os.environ[VARIABLE]]
     _move_precompiled_headers((directory or Path(os.environ[VARIABLE])) / HEADERS)
+
+
+def unusable_named_folder(value: str) -> str | None:
+    """Why the folder `value` (TORCHINDUCTOR_CACHE_DIR) cannot hold inductor's cache, or None: made
+    here where missing, as torch would, and a file created and dropped in it (a read-only mount, a
+    folder of another user's, a path through a file all fail so)."""
+    try:
+        os.makedirs(value, exist_ok=True)
+        with tempfile.TemporaryFile(dir=value):
+            pass
+    except OSError as err:
+        return str(err)
+    return None
+
+
+def unusable_named_folder_refusal(value: str, why: str) -> str:
+    return (f"{VARIABLE} ({value}) cannot hold inductor's compiled graphs: {why}; {UNUSABLE_FIXES}, "
+            f"or run without compiling: --no-compile")
+
+
+def record_failed_import(err: BaseException) -> None:
+    """Keep `err`, from importing inductor on the prefetch thread, for the first compile to raise."""
+    _failed_imports.append(err)
+
+
+def _check_named_folder() -> None:
+    """NativeUnavailable naming TORCHINDUCTOR_CACHE_DIR where the folder it names cannot be used.
+    Importing inductor (dynamo's import makes that folder) failed half-way through on such a folder,
+    and every later import of the half-made modules failed with "Artifact of type=precompile already
+    registered", naming neither the variable nor the folder. Checked on each rank: the driver checks
+    it too (launcher/compile_folders.py), but a joined cluster's ranks have their own environment.
+    torch's own default, inherited from a process where inductor had looked it up, is not the
+    user's choice: where it cannot be used, this module's own folder replaces it."""
+    from workers.native_build import NativeUnavailable
+
+    value = os.environ.get(VARIABLE)
+    if not value or os.path.abspath(value) in _written:
+        return
+    why = unusable_named_folder(value)
+    if why is None:
+        return
+    if os.path.abspath(value) == os.path.abspath(_torchs_default()):
+        del os.environ[VARIABLE]
+        return
+    raise NativeUnavailable(unusable_named_folder_refusal(value, why))
+
+
+def _torchs_default() -> str:
+    """torch's default cache folder, without importing inductor where it is not loaded yet (that
+    import is what fails on an unusable folder): the same rule as its cache_dir_utils."""
+    loaded = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if loaded is not None:
+        return loaded.default_cache_dir()
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def named_by_user() -> bool:

@@ -225,8 +225,8 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
     over `name`, so concurrent ranks and launches never load a half-written library and the last rename wins
     with identical contents. The folder is in the cache, not in $TMPDIR, and named after its
     writer: a rank killed while it compiles (SIGKILL, or Ray's SIGTERM handler, which ends the
-    process without unwinding the compute thread) leaves it behind, and the next build on this host
-    removes it (`_sweep_dead_builds`)."""
+    process without unwinding the compute thread) leaves it behind, and the next build or load of
+    a library in that directory on this host removes it (`_sweep_dead_builds`)."""
     variable, names, suffix, timeout_s = _COMPILERS[spec.language]
     compiler = _compiler_command(variable, names)
     if not compiler:
@@ -334,13 +334,15 @@ def _build(spec: "LibrarySpec", directory: Path | None) -> tuple[int, bool]:
     directory = directory or library_dir()
     dir_fd = trusted_dir(directory)
     try:
+        # every call, not only before a compile: once the library exists nothing compiles here
+        # again, and a build killed before that would otherwise leave its folder for good
+        _sweep_dead_builds(dir_fd)
         fd = _open_trusted(dir_fd, spec.name)
         if fd is not None and _cut_short(fd):
             os.close(fd)
             fd = None
         compiled = fd is None
         if compiled:
-            _sweep_dead_builds(dir_fd)
             _compile(dir_fd, directory, spec)
             fd = _open_trusted(dir_fd, spec.name)
             if fd is None:

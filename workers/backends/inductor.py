@@ -24,13 +24,22 @@ def _import_compiler() -> None:
     its cache folder, and torch's default, $TMPDIR/torchinductor_<user>, was made (or found: a file
     another user placed there failed every compiled launch of this user's) before the first compile
     pointed the variable elsewhere."""
-    from workers.inductor_cache import ensure_private_inductor_cache
+    from workers.inductor_cache import ensure_private_inductor_cache, record_failed_import
+    from workers.native_build import NativeUnavailable
 
     try:
         ensure_private_inductor_cache()
-    except Exception:  # noqa: BLE001 - said by the first compile, which calls it again (workers/compiled.py)
+    except NativeUnavailable:  # a refusal made before importing anything: the first compile, which
+        return  # calls it again (workers/compiled.py), says it
+    except Exception as err:  # noqa: BLE001 - an import that failed half-way: see below
+        record_failed_import(err)
         return
-    importlib.import_module("torch._inductor.compile_fx")
+    try:
+        importlib.import_module("torch._inductor.compile_fx")
+    except Exception as err:  # noqa: BLE001
+        # A module whose import failed half-way leaves what it registered behind: the compile's own
+        # import of it failed with some unrelated assertion, so the first compile raises this instead.
+        record_failed_import(err)
 
 
 def compile_per_bucket(model, compile: CompileOptions):
