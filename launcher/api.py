@@ -595,17 +595,23 @@ def _plain_number(value):
 
 
 def _refuse_per_request_options(options: dict) -> None:
-    """Launcher(max_new_tokens=5) ended in LaunchConfig's bare TypeError: name where such an option goes."""
+    """Launcher(max_new_tokens=5) ended in LaunchConfig's bare TypeError: name where such an option
+    goes, each a request method's own parameter (read from their signatures) or a SamplingParams field."""
+    import inspect
+
     from shardlib.sampling_params import SamplingParams
 
-    per_call = ("max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs",
-                "stream_interval", "batching")
     sampling = {f.name for f in dataclasses.fields(SamplingParams)}
-    misplaced = [name for name in options if name in sampling or name in per_call]
-    if misplaced:
-        raise ValueError(f"{', '.join(misplaced)} {'is' if len(misplaced) == 1 else 'are'} not a launch option: "
-                         f"give {'it' if len(misplaced) == 1 else 'them'} to generate() / stream() (sampling "
-                         f"values in SamplingParams(...)), not to Launcher(...)")
+    methods = ("generate", "stream", "agenerate", "astream")
+    taken_by = {name: [m for m in methods if name in inspect.signature(getattr(Launcher, m)).parameters]
+                for name in options if name not in ("prompts", "prompt", "sampling")}
+    places = [f"{name}: SamplingParams({name}=...)" if name in sampling
+              else f"{name}: {' / '.join(m + '()' for m in taken)}"
+              for name, taken in taken_by.items() if name in sampling or taken]
+    if places:
+        raise ValueError(f"per-request option{'s' if len(places) > 1 else ''} given to Launcher(...), which takes "
+                         f"launch options only; give {'each' if len(places) > 1 else 'it'} to the request: "
+                         f"{'; '.join(places)}")
 
 
 def _positive_seconds(name: str, value) -> None:
@@ -1548,8 +1554,8 @@ class Launcher:
         pool = self._pool  # once: a shutdown on another thread clears it between a check and a use
         if pool is None:
             if self._start_thread is not None:  # said "call start()" while start() was connecting to Ray
-                raise LaunchError("the launcher is still starting (start() is connecting to Ray and placing "
-                                  "its groups on another thread); send requests once start() has returned")
+                raise LaunchError("the launcher is still starting on another thread (planning, connecting to "
+                                  "Ray, placing its groups); send requests once start() returns")
             raise LaunchError("the launcher is not running: call start() or use it as a context manager")
         return pool
 

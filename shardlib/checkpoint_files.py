@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -468,9 +469,13 @@ def _unknown_tensors_fix(unknown: list[str], expected: dict[str, tuple[int, ...]
     mislabelled = None if config.is_moe else _expert_tensor_family(unknown)
     if mislabelled is not None:
         name, families = mislabelled
+        if any(".shared_expert." in n for n in unknown):  # Qwen2-MoE's: qwen3_moe would refuse them in turn
+            return (f"{name!r} and a shared expert are Qwen2-MoE's tensors while config.json's model_type is "
+                    f"{config.model_type} (a dense family): corelaunch does not run Qwen2-MoE (supported: "
+                    f"mixtral, qwen3_moe, dbrx and the dense families)")
         return (f"{name!r} is a mixture-of-experts tensor while config.json's model_type is {config.model_type} "
-                f"(a dense family: its expert fields are ignored, as transformers ignores them): set model_type "
-                f"in config.json to the family these weights were saved as ({families})")
+                f"(a dense family, read without experts as transformers reads it): set model_type in config.json "
+                f"to the family these weights were saved as ({families}){_stored_experts_hint(unknown)}")
     fused = next((n for n in unknown if n.endswith(FUSED_EXPERT_SUFFIXES)), None)
     if fused is not None:
         return (f"{fused!r} is one of transformers' fused in-memory experts (all experts in one tensor), as "
@@ -489,6 +494,13 @@ def _unknown_tensors_fix(unknown: list[str], expected: dict[str, tuple[int, ...]
 # config.json says mistral, llama or qwen3 reads as that dense model (as transformers reads it)
 _EXPERT_TENSOR_FAMILIES = {".block_sparse_moe.": "mixtral",
                            ".mlp.experts.": "qwen3_moe or mixtral"}
+
+
+def _stored_experts_hint(names: list[str]) -> str:
+    """", and num_local_experts to N" where the names number their experts (experts.N.): with the
+    model_type alone the family's default count (Mixtral: 8) met the 4 stored, refused again."""
+    numbers = [int(m.group(1)) for n in names if (m := re.search(r"\.experts\.(\d+)\.", n))]
+    return f", and num_local_experts to {max(numbers) + 1}" if numbers else ""
 
 
 def _expert_tensor_family(unknown: list[str]) -> tuple[str, str] | None:

@@ -36,8 +36,9 @@ def flatten_moe_config(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     model_type = raw.get("model_type")
     if model_type == "mixtral":
         _check_activation("hidden_act", raw.get("hidden_act"))
-        # transformers 5's MixtralConfig reads num_experts as num_local_experts (its attribute_map)
-        out = {**raw, "num_local_experts": _first_set(raw, "num_local_experts", "num_experts")}
+        # transformers 5's MixtralConfig reads num_experts as num_local_experts (its attribute_map),
+        # and where both are set num_experts wins
+        out = {**raw, "num_local_experts": _first_set(raw, "num_experts", "num_local_experts")}
         return out, {"moe_topk_norm": 1.0}  # Mixtral always renormalises its top-k
     if model_type == "qwen3_moe":
         return _qwen3_moe(raw)

@@ -146,9 +146,14 @@ def test_cpu_replicas_planned_for_an_instance_are_checked_against_this_host(ray_
 def test_per_request_options_given_to_the_launcher_name_where_they_go(ray_tripwire):
     """Launcher(max_new_tokens=5) ended in LaunchConfig's bare TypeError (an unexpected keyword)."""
     with pytest.raises(ValueError) as refused:
-        Launcher(max_new_tokens=5, temperature=0.7)
-    assert str(refused.value) == ("max_new_tokens, temperature are not a launch option: give them to generate() / "
-                                  "stream() (sampling values in SamplingParams(...)), not to Launcher(...)")
+        Launcher(max_new_tokens=5, temperature=0.7, stop=["x"], batching="static", cache_salt="a")
+    assert str(refused.value) == (
+        "per-request options given to Launcher(...), which takes launch options only; give each to the request: "
+        "max_new_tokens: generate() / stream() / agenerate() / astream(); temperature: SamplingParams(temperature=...); "
+        "stop: stream() / astream(); batching: generate(); cache_salt: generate() / stream() / agenerate() / astream()")
+    with pytest.raises(ValueError, match=r"^per-request option given .*; give it to the request: seed: "
+                                         r"SamplingParams\(seed=\.\.\.\)$"):
+        Launcher(seed=3)
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
         Launcher(no_such_option=1)  # any other unknown keyword: Python's own words, which name it
 
@@ -165,7 +170,8 @@ def test_a_request_while_start_connects_on_another_thread_says_it_is_starting():
 
     llm = Launcher(progress=False)
     llm._start_thread = threading.Thread()  # as start() marks itself until its groups are placed
-    with pytest.raises(LaunchError, match="the launcher is still starting .* once start\\(\\) has returned"):
+    with pytest.raises(LaunchError, match="the launcher is still starting on another thread .* once start\\(\\) "
+                                          "returns"):
         llm.load()
     llm._start_thread = None
     with pytest.raises(LaunchError, match="not running: call start\\(\\)"):

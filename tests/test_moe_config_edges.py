@@ -78,8 +78,9 @@ def test_a_mixtral_saved_as_a_dense_family_is_refused_naming_model_type(tmp_path
         check_checkpoint(tmp_path, config)
     assert str(refused.value).endswith(
         f"'model.layers.0.block_sparse_moe.experts.0.w1.weight' is a mixture-of-experts tensor while config.json's "
-        f"model_type is {dense_type} (a dense family: its expert fields are ignored, as transformers ignores "
-        f"them): set model_type in config.json to the family these weights were saved as (mixtral)"), refused.value
+        f"model_type is {dense_type} (a dense family, read without experts as transformers reads it): set "
+        f"model_type in config.json to the family these weights were saved as (mixtral), and num_local_experts "
+        f"to 4"), refused.value
 
 
 def test_a_raw_moe_state_dict_saved_as_a_dense_family_names_model_type_first(tmp_path):
@@ -106,6 +107,9 @@ def test_mixtral_reads_num_experts_as_num_local_experts(tmp_path):
     # an explicit null beside it is the same file
     assert ModelConfig.from_dict({**json.loads((tmp_path / "config.json").read_text()),
                                   "num_local_experts": None}).num_local_experts == 4
+    both = {**json.loads((tmp_path / "config.json").read_text()), "num_local_experts": 8}
+    assert transformers.MixtralConfig(**both).num_local_experts == 4  # where both are set, num_experts wins
+    assert ModelConfig.from_dict(both).num_local_experts == 4
 
 
 # ---- Qwen3-MoE's config fields -----------------------------------------------------------------
@@ -181,3 +185,20 @@ def test_a_dbrx_config_without_a_required_field_names_the_file_and_dbrxs_own_ten
     assert message.startswith(f"{tmp_path / 'config.json'} lacks required field(s) ['{field}'] for a dbrx model; "
                               f"add each with the value in the original model's config.json"), message
     assert message.endswith(f"{where})"), message
+
+
+def test_qwen2_moe_weights_saved_as_qwen2_are_named_as_the_family_corelaunch_does_not_run(tmp_path):
+    """Its experts and shared expert under model_type qwen2 were told to set qwen3_moe or mixtral,
+    which would refuse the shared expert's tensors in turn."""
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=32)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "qwen2"}))
+    with pytest.raises(ValueError, match=r"and a shared expert are Qwen2-MoE's tensors while config\.json's "
+                                         r"model_type is qwen2 .*corelaunch does not run Qwen2-MoE"):
+        check_checkpoint(tmp_path, load_model_config(tmp_path))
