@@ -602,9 +602,10 @@ def _refuse_per_request_options(options: dict) -> None:
     from shardlib.sampling_params import SamplingParams
 
     sampling = {f.name for f in dataclasses.fields(SamplingParams)}
+    launch_fields = {f.name for f in dataclasses.fields(LaunchConfig)}  # a launch option is never refused here
     methods = ("generate", "stream", "agenerate", "astream")
     taken_by = {name: [m for m in methods if name in inspect.signature(getattr(Launcher, m)).parameters]
-                for name in options if name not in ("prompts", "prompt", "sampling")}
+                for name in options if name not in ("prompts", "prompt", "sampling", *launch_fields)}
     places = [f"{name}: SamplingParams({name}=...)" if name in sampling
               else f"{name}: {' / '.join(m + '()' for m in taken)}"
               for name, taken in taken_by.items() if name in sampling or taken]

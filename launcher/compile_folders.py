@@ -40,12 +40,15 @@ def check_compile_folders(config, backend: str, into_out: bool = False) -> None:
                          + ("" if into_out else f", {NO_COMPILE}"))
     if config.compiled_dir is not None or into_out:
         return
-    from workers.inductor_cache import named_by_user
+    from workers.inductor_cache import named_by_user, torchs_default_folder
 
     # torch writes its own default into the variable at its first cache lookup in a process (not the
-    # user's choice); asked only where inductor is loaded already, as importing it takes seconds
+    # user's choice), which a child inherits; asked of inductor only where it is loaded already, as
+    # importing it takes seconds (each rank replaces that default where it cannot be used)
     named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if named and "torch._inductor" in sys.modules and not named_by_user():
+        named = None
+    if named and os.path.abspath(named) == os.path.abspath(torchs_default_folder()):
         named = None
     if named:
         if compiler_unsafe_path(named):

@@ -114,6 +114,49 @@ def test_a_rank_replaces_torchs_own_default_where_it_cannot_be_made(fresh_check,
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(default_inductor_cache())
 
 
+
+def test_a_compiled_directorys_cache_that_cannot_be_written_names_the_directorys_fix(fresh_check, under_a_file):
+    """A --compiled directory's cache (use_cache_dir points the variable at it) on a read-only copy was
+    refused as a TORCHINDUCTOR_CACHE_DIR to unset, a variable the user never set."""
+    import workers.inductor_cache as inductor_cache
+    from workers.native_build import NativeUnavailable
+
+    fresh_check.setattr(inductor_cache, "_compiled_dir_caches", set(), raising=False)
+    fresh_check.setenv("TORCHINDUCTOR_CACHE_DIR", str(under_a_file))
+    inductor_cache.mark_compiled_dir_cache(str(under_a_file))
+    with pytest.raises(NativeUnavailable) as refused:
+        inductor_cache.ensure_private_inductor_cache()
+    assert str(refused.value).startswith(f"the compiled-model directory's cache {under_a_file} cannot be written ("), \
+        str(refused.value)
+    assert "copy the directory (cp -rL) to a path this user can write" in str(refused.value)
+
+
+DRIVER_CHECK = """
+import sys, types
+from launcher.cluster import ray_cluster
+from launcher.compile_folders import check_compile_folders
+ray_cluster.private_cluster = lambda address: True  # as a launch that starts a private Ray of this host
+check_compile_folders(types.SimpleNamespace(compile=True, ray_address=None, compiled_dir=None), "cpu")
+print("inductor loaded:", "torch._inductor" in sys.modules)
+"""
+
+
+def test_the_driver_leaves_torchs_own_default_to_the_ranks(tmp_path):
+    """torch's default folder, inherited from a parent that had used inductor, was refused on the
+    driver ("unset it") where each rank replaces it with its own folder. A fresh process, as the
+    CLI's: inductor not loaded, so the driver cannot ask it."""
+    import getpass
+
+    planted = tmp_path / f"torchinductor_{getpass.getuser()}"
+    planted.write_text("another user's")
+    env = dict(os.environ, TMPDIR=str(tmp_path), CORELAUNCH_CACHE=str(tmp_path / "cache"),
+               TORCHINDUCTOR_CACHE_DIR=str(planted))
+    done = subprocess.run([sys.executable, "-c", DRIVER_CHECK], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "inductor loaded: False", done.stdout
+
+
 PREFETCH_THEN_COMPILE = """
 import torch
 from workers.backends.inductor import prefetch_compiler
@@ -156,5 +199,6 @@ def test_the_first_compile_raises_what_failed_on_the_prefetch_thread(tmp_path):
     done = subprocess.run([sys.executable, "-c", FAILED_PREFETCH_THEN_COMPILE], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0, done.stderr[-3000:]
-    assert ("RuntimeError: importing inductor (torch's compiler) failed while the shard was read: "
+    assert ("RuntimeError: setting up inductor (torch's compiler) failed on the prefetch thread while the shard was "
+            "read: "
             "ModuleNotFoundError: import of torch._inductor.compile_fx halted") in done.stderr, done.stderr[-3000:]

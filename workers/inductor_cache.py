@@ -29,6 +29,8 @@ _trusted: set[Path] = set()
 """Folders this process has checked (each compile asks)."""
 _written: list[str] = []
 """The value this module last wrote into TORCHINDUCTOR_CACHE_DIR: its own, not the user's choice."""
+_compiled_dir_caches: set[str] = set()
+"""Caches of compiled-model directories this process pointed the variable at (use_cache_dir)."""
 _failed_imports: list[BaseException] = []
 """What went wrong importing inductor on the prefetch thread (workers/backends/inductor.py): said by
 the first compile instead of what a second import of the half-made modules would say."""
@@ -54,7 +56,8 @@ def ensure_private_inductor_cache() -> None:
 
     if _failed_imports:
         err = _failed_imports[0]
-        raise RuntimeError(f"importing inductor (torch's compiler) failed while the shard was read: "
+        raise RuntimeError(f"setting up inductor (torch's compiler) failed on the prefetch thread while the shard "
+                           f"was read: "
                            f"{type(err).__name__}: {err}") from err
     _check_named_folder()  # before named_by_user() below imports inductor
     named = named_by_user()
@@ -94,6 +97,12 @@ def unusable_named_folder_refusal(value: str, why: str) -> str:
             f"or run without compiling: --no-compile")
 
 
+def mark_compiled_dir_cache(path: str) -> None:
+    """`path`, a compiled-model directory's cache, is what TORCHINDUCTOR_CACHE_DIR now names: a refusal
+    of it names the directory's fix, not the variable the user never set."""
+    _compiled_dir_caches.add(os.path.abspath(path))
+
+
 def record_failed_import(err: BaseException) -> None:
     """Keep `err`, from importing inductor on the prefetch thread, for the first compile to raise."""
     _failed_imports.append(err)
@@ -115,13 +124,17 @@ def _check_named_folder() -> None:
     why = unusable_named_folder(value)
     if why is None:
         return
-    if os.path.abspath(value) == os.path.abspath(_torchs_default()):
+    if os.path.abspath(value) in _compiled_dir_caches:  # the user named the directory, not the variable
+        raise NativeUnavailable(f"the compiled-model directory's cache {value} cannot be written ({why}); copy the "
+                                f"directory (cp -rL) to a path this user can write and pass that, or run without "
+                                f"compiling: --no-compile")
+    if os.path.abspath(value) == os.path.abspath(torchs_default_folder()):
         del os.environ[VARIABLE]
         return
     raise NativeUnavailable(unusable_named_folder_refusal(value, why))
 
 
-def _torchs_default() -> str:
+def torchs_default_folder() -> str:
     """torch's default cache folder, without importing inductor where it is not loaded yet (that
     import is what fails on an unusable folder): the same rule as its cache_dir_utils."""
     loaded = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
