@@ -711,10 +711,10 @@ class Launcher:
                              f"e.g. Launcher(model=...)")
         if config is not None and options:
             raise ValueError("pass either a LaunchConfig or keyword options, not both")
-        # A copy checked again: a field set after the config was built (cfg.compile = "false") skipped
-        # every check. __post_init__ takes its own output unchanged (prepare()'s replace() relies on it too).
         if config is None:
             _refuse_per_request_options(options)
+        # A copy checked again: a field set after the config was built (cfg.compile = "false") skipped
+        # every check. __post_init__ takes its own output unchanged (prepare()'s replace() relies on it too).
         self.config = dataclasses.replace(config) if config is not None else LaunchConfig(**options)
         self.plan = None
         self.model_config: ModelConfig | None = None
@@ -1801,9 +1801,9 @@ class Launcher:
             texts: list[str | None] = list(prompts)
         elif None not in (token_lists := [_token_id_list(p) for p in prompts]):
             texts = [None] * len(prompts)
-        elif prompts and _token_id_list(prompts) is not None:  # generate([1, 504, 3458])
-            raise ValueError(f"prompts ({show(prompts)}) is one token-id list; pass a list of prompts: "
-                             f"[{show(prompts)}]")
+        elif prompts and (ids := _token_id_list(prompts)) is not None:  # generate([1, 504, 3458])
+            # shown as plain ints: a numpy array's read [np.int64(1), ...] in the fix to paste
+            raise ValueError(f"prompts ({show(ids)}) is one token-id list; pass a list of prompts: [{show(ids)}]")
         else:
             kinds = ["a string" if isinstance(p, str) else None if token_ids is None else "a token-id list"
                      for p, token_ids in zip(prompts, token_lists)]

@@ -394,6 +394,12 @@ def test_stop_tokens_end_a_stream_and_bad_options_are_refused(model_and_expected
         with pytest.raises(ValueError, match=r"prompts \(\[5, 17, 42\]\) is one token-id list; pass a list of "
                                              r"prompts: \[\[5, 17, 42\]\]"):
             llm.generate([5, 17, 42])
+        import numpy as np
+        import torch
+        for one_prompt in (np.array([5, 17, 42]), torch.tensor([5, 17, 42])):  # shown as [np.int64(5), ...]
+            with pytest.raises(ValueError, match=r"prompts \(\[5, 17, 42\]\) is one token-id list; pass a list of "
+                                                 r"prompts: \[\[5, 17, 42\]\]$"):
+                llm.generate(one_prompt)
         with pytest.raises(ValueError, match=r"prompt 0 is a string but prompt 1 is a token-id list$"):
             llm.generate(["a", [5, 17]])
         with pytest.raises(ValueError, match=r"stop strings \(\['t1'\]\) need a tokenizer .* pass stop_token_ids"):
