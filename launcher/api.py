@@ -594,9 +594,10 @@ def _plain_number(value):
     return value if number is None else number
 
 
-def _refuse_per_request_options(options: dict) -> None:
-    """Launcher(max_new_tokens=5) ended in LaunchConfig's bare TypeError: name where such an option
-    goes, each a request method's own parameter (read from their signatures) or a SamplingParams field."""
+def _per_request_options(options: dict) -> str | None:
+    """Why LaunchConfig refused `options` with a TypeError where they hold per-request options
+    (Launcher(max_new_tokens=5) ended in that bare TypeError): where each goes, a request method's
+    own parameter (read from their signatures) or a SamplingParams field; None for other keywords."""
     import inspect
 
     from shardlib.sampling_params import SamplingParams
@@ -609,10 +610,22 @@ def _refuse_per_request_options(options: dict) -> None:
     places = [f"{name}: SamplingParams({name}=...)" if name in sampling
               else f"{name}: {' / '.join(m + '()' for m in taken)}"
               for name, taken in taken_by.items() if name in sampling or taken]
-    if places:
-        raise ValueError(f"per-request option{'s' if len(places) > 1 else ''} given to Launcher(...), which takes "
-                         f"launch options only; give {'each' if len(places) > 1 else 'it'} to the request: "
-                         f"{'; '.join(places)}")
+    if not places:
+        return None
+    return (f"per-request option{'s' if len(places) > 1 else ''} given to Launcher(...), which takes launch "
+            f"options only; give {'each' if len(places) > 1 else 'it'} to the request: {'; '.join(places)}")
+
+
+def _launch_config(options: dict) -> "LaunchConfig":
+    """LaunchConfig(**options), per-request options among them named with where they go (read only
+    once the keywords were refused: a working launch never reads the methods' signatures)."""
+    try:
+        return LaunchConfig(**options)
+    except TypeError:
+        problem = _per_request_options(options)
+        if problem is None:
+            raise
+    raise ValueError(problem)
 
 
 def _positive_seconds(name: str, value) -> None:
@@ -711,11 +724,9 @@ class Launcher:
                              f"e.g. Launcher(model=...)")
         if config is not None and options:
             raise ValueError("pass either a LaunchConfig or keyword options, not both")
-        if config is None:
-            _refuse_per_request_options(options)
         # A copy checked again: a field set after the config was built (cfg.compile = "false") skipped
         # every check. __post_init__ takes its own output unchanged (prepare()'s replace() relies on it too).
-        self.config = dataclasses.replace(config) if config is not None else LaunchConfig(**options)
+        self.config = dataclasses.replace(config) if config is not None else _launch_config(options)
         self.plan = None
         self.model_config: ModelConfig | None = None
         self.model_dir: Path | None = None
@@ -1554,7 +1565,8 @@ class Launcher:
     def _running_pool(self):
         pool = self._pool  # once: a shutdown on another thread clears it between a check and a use
         if pool is None:
-            if self._start_thread is not None:  # said "call start()" while start() was connecting to Ray
+            # said "call start()" while start() ran on another thread (not this one: a step of its own)
+            if self._start_thread not in (None, threading.current_thread()):
                 raise LaunchError("the launcher is still starting on another thread (planning, connecting to "
                                   "Ray, placing its groups); send requests once start() returns")
             raise LaunchError("the launcher is not running: call start() or use it as a context manager")

@@ -78,12 +78,11 @@ def _check_named_cache(named: str, config) -> None:
     """A TORCHINDUCTOR_CACHE_DIR that cannot be made or written (under a file, a read-only mount, a
     typo) failed every rank's load with "Artifact of type=precompile already registered", naming
     neither the variable nor the folder; made here as each rank would make it."""
-    from workers.inductor_cache import UNUSABLE_FIXES, unusable_named_folder
+    from workers.inductor_cache import unusable_named_folder, unusable_named_folder_refusal
 
     why = unusable_named_folder(named)
     if why is not None:
-        raise ValueError(f"TORCHINDUCTOR_CACHE_DIR ({named}) cannot hold inductor's compiled graphs: {why}; "
-                         f"{UNUSABLE_FIXES}, {_no_compile_for(config)}")
+        raise ValueError(unusable_named_folder_refusal(named, why, _no_compile_for(config)))
 
 
 def _named(cache_root: Path) -> str:

@@ -163,7 +163,7 @@ WRITE_ONLY_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 file name (a write to an open file carries none) is the output's, never an input's read."""
 
 
-def write_refusal_fix(number: int) -> str:
+def write_refusal_fix(number: int | None) -> str:
     """The way out of a write refused with WRITE_ONLY_ERRNOS' `number`, for the end of a "could not
     write --out OUT (...)" refusal: another path in a directory one can write to does not help a
     full disk on the same one; any other number (or None: a folder one cannot write) is that."""

@@ -19,6 +19,7 @@ from typing import Callable
 from safetensors import SafetensorError, safe_open
 
 from shardlib.model_config import ModelConfig
+from shardlib.moe_configs import MOE_MODEL_TYPES
 from shardlib.moe_params import model_names
 from shardlib.param_shapes import LM_HEAD, expected_shapes
 from shardlib.sharding import Style, style_for
@@ -472,7 +473,7 @@ def _unknown_tensors_fix(unknown: list[str], expected: dict[str, tuple[int, ...]
         if any(".shared_expert." in n for n in unknown):  # Qwen2-MoE's: qwen3_moe would refuse them in turn
             return (f"{name!r} and a shared expert are Qwen2-MoE's tensors while config.json's model_type is "
                     f"{config.model_type} (a dense family): corelaunch does not run Qwen2-MoE (supported: "
-                    f"mixtral, qwen3_moe, dbrx and the dense families)")
+                    f"{', '.join(MOE_MODEL_TYPES)} and the dense families)")
         return (f"{name!r} is a mixture-of-experts tensor while config.json's model_type is {config.model_type} "
                 f"(a dense family, read without experts as transformers reads it): set model_type in config.json "
                 f"to the family these weights were saved as ({families}){_stored_experts_hint(unknown)}")

@@ -44,6 +44,7 @@ from shardlib.expert_sharding import (EXPERT_PARALLEL, MOE_SHARDINGS, check_moe_
 from shardlib.instances import CPU_TARGET, GIB, NEURON_FAMILIES, NEURON_INSTANCES, InstanceType, get_instance
 from shardlib.families import layer_norm_elements
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
+from shardlib.param_shapes import LM_HEAD
 from shardlib.quantization import PLANNER_DTYPE, UNQUANTIZABLE_MODEL_TYPES, Quantization, normalize_quant_dtype
 from shardlib.sharding import FUSED_QKV_MODEL_TYPES
 from shardlib.quantized_sizes import kv_dtype_name, planned_quantization, weight_bytes
@@ -395,7 +396,7 @@ def _lm_head_is_quantized(cfg: ModelConfig, quantization: Quantization | None) -
     # with `+lm_head`. Either way it is then a QuantizedWeight, which is never packed.
     if quantization is None:
         return False
-    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else LM_HEAD
     return quantization.is_quantized(head, cfg.tie_word_embeddings)
 
 

@@ -235,11 +235,10 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
     when the rank's file does not match its manifest entry: a path outside the directory, another
     tensor name, dtype or shape, size or sha256. The sha256 is computed when no valid marker says a
     load already verified this very file (or always, with `verify_sha256`). fix: how to replace a
-    file damaged in place, for those messages (default: damaged_copy_fix).
+    file damaged in place, for those messages (default: _fixes).
     """
     shown = _shown(directory)
-    missing_fix = fix or missing_file_fix(directory)
-    fix = fix or damaged_copy_fix(directory)
+    missing_fix, fix = _fixes(directory, fix)
     check_layout(config, layout, rank)
     root = Path(directory).resolve()  # one version throughout, even when a writer swaps the link meanwhile
     manifest = read_manifest(root, shown=shown)
@@ -273,12 +272,12 @@ def check_presharded_dir(directory: str | Path, config: ModelConfig, layout: Sha
     root = Path(directory).resolve()
     manifest = read_manifest(root, shown=shown)
     _check_settings(manifest, shown, config, layout, dtype)
-    missing_fix = fix or missing_file_fix(directory)
+    missing_fix, damaged_fix = _fixes(directory, fix)
     for rank in range(layout.tp_degree):
         path, shown_path, entry = _rank_file(manifest, root, shown, rank, missing_fix)
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise _size_error(shown_path, size, entry, fix or damaged_copy_fix(directory))
+            raise _size_error(shown_path, size, entry, damaged_fix)
 
 
 def _shown(directory: str | Path) -> Path:
@@ -377,19 +376,16 @@ def _rank_file(manifest: dict[str, Any], root: Path, shown: Path, rank: int,
     return path, shown_path, entry
 
 
-def damaged_copy_fix(directory: str | Path) -> str:
-    """How to replace a file of `directory` damaged in place. A compiled directory's weights/ (next
-    to its manifest and model/) were told to "write the pre-sharded checkpoint again", which no
-    user of --compiled ever wrote: its fix is the directory copied again, or compiled again."""
-    return _compiled_dir_fix(directory) or "copy it again or write the pre-sharded checkpoint again"
-
-
-def missing_file_fix(directory: str | Path) -> str:
-    """How to replace a rank file missing from `directory`: a compiled directory's own fix (a missing
-    one said "write it again", which no user of --compiled ever wrote), else the whole pre-sharded
-    directory copied or written again."""
-    return (_compiled_dir_fix(directory)
-            or "copy the whole directory again or write the pre-sharded checkpoint again")
+def _fixes(directory: str | Path, fix: str | None) -> tuple[str, str]:
+    """(how to replace a rank file missing from `directory`, how to replace one damaged in place):
+    the caller's `fix` for both where given, else a compiled directory's own (its weights/ were told
+    to "write the pre-sharded checkpoint again", which no user of --compiled ever wrote), else the
+    pre-sharded directory's, copied or written again."""
+    if fix:
+        return fix, fix
+    compiled = _compiled_dir_fix(directory)
+    return (compiled or "copy the whole directory again or write the pre-sharded checkpoint again",
+            compiled or "copy it again or write the pre-sharded checkpoint again")
 
 
 def _compiled_dir_fix(directory: str | Path) -> str | None:

@@ -29,13 +29,15 @@ _trusted: set[Path] = set()
 """Folders this process has checked (each compile asks)."""
 _written: list[str] = []
 """The value this module last wrote into TORCHINDUCTOR_CACHE_DIR: its own, not the user's choice."""
+_usable_named: set[str] = set()
+"""Named folders this process found usable (each compile asks)."""
 _compiled_dir_caches: set[str] = set()
 """Caches of compiled-model directories this process pointed the variable at (use_cache_dir)."""
 _failed_imports: list[BaseException] = []
 """What went wrong importing inductor on the prefetch thread (workers/backends/inductor.py): said by
 the first compile instead of what a second import of the half-made modules would say."""
 
-UNUSABLE_FIXES = ("name a folder this user can write, or unset it (corelaunch then uses its own folder under "
+_UNUSABLE_FIXES = ("name a folder this user can write, or unset it (corelaunch then uses its own folder under "
                   "CORELAUNCH_CACHE)")
 
 
@@ -92,9 +94,10 @@ def unusable_named_folder(value: str) -> str | None:
     return None
 
 
-def unusable_named_folder_refusal(value: str, why: str) -> str:
-    return (f"{VARIABLE} ({value}) cannot hold inductor's compiled graphs: {why}; {UNUSABLE_FIXES}, "
-            f"or run without compiling: --no-compile")
+def unusable_named_folder_refusal(value: str, why: str,
+                                  no_compile: str = "or run without compiling: --no-compile") -> str:
+    """The refusal of a named folder, on a rank and (with its own --no-compile advice) on the driver."""
+    return f"{VARIABLE} ({value}) cannot hold inductor's compiled graphs: {why}; {_UNUSABLE_FIXES}, {no_compile}"
 
 
 def mark_compiled_dir_cache(path: str) -> None:
@@ -119,10 +122,11 @@ def _check_named_folder() -> None:
     from workers.native_build import NativeUnavailable
 
     value = os.environ.get(VARIABLE)
-    if not value or os.path.abspath(value) in _written:
+    if not value or os.path.abspath(value) in _written or value in _usable_named:
         return
     why = unusable_named_folder(value)
     if why is None:
+        _usable_named.add(value)  # each compile asks: one write to find out is enough
         return
     if os.path.abspath(value) in _compiled_dir_caches:  # the user named the directory, not the variable
         raise NativeUnavailable(f"the compiled-model directory's cache {value} cannot be written ({why}); copy the "

@@ -233,7 +233,6 @@ class CacheWriter:
                            f"{err}); launches load from the checkpoint until it is")
 
 
-
 def _unlink_unreadable_copy(path: Path) -> None:
     """Remove the cache's link when it names a version atomic_dir wrote whose manifest cannot be
     read (damaged in place, or deleted): save_presharded refuses to replace a directory that is not

@@ -1801,8 +1801,9 @@ class OpenAIServer:
         than the engine runs at once: they could never run together, and a queue of them only delays
         the others. Checked as soon as the body is parsed, before any prompt is tokenized or any
         template rendered (200,000 one-character prompts were tokenized for 117 s, and 1.5 million
-        token-id prompts held the event loop for 11 s, before this refusal): completions check their
-        prompts, chat and Responses their one, before _start_choices."""
+        token-id prompts held the event loop for 11 s, before this refusal): the completions route
+        checks its prompts, and _chat_choices (chat and Responses) its one, before _start_choices; a
+        new route calls it too."""
         rows = self.launcher.config.max_num_seqs
         if prompt_count * req.n <= rows:
             return

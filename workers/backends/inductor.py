@@ -29,13 +29,9 @@ def _import_compiler() -> None:
 
     try:
         ensure_private_inductor_cache()
+        importlib.import_module("torch._inductor.compile_fx")
     except NativeUnavailable:  # a refusal made before importing anything: the first compile, which
         return  # calls it again (workers/compiled.py), says it
-    except Exception as err:  # noqa: BLE001 - an import that failed half-way: see below
-        record_failed_import(err)
-        return
-    try:
-        importlib.import_module("torch._inductor.compile_fx")
     except Exception as err:  # noqa: BLE001
         # A module whose import failed half-way leaves what it registered behind: the compile's own
         # import of it failed with some unrelated assertion, so the first compile raises this instead.
