@@ -97,9 +97,27 @@ def layer_norm_elements(config) -> int:
     return (4 if family.sandwich_norms else 2) * config.hidden_size + (2 * config.head_dim if family.qk_norm else 0)
 
 
+# transformers' models of these families put the window on every layer and never read layer_types
+# (its Mistral warns that alternating windows need the Ministral classes): a config.json carrying
+# one ran windowed on alternate layers here and on every layer there
+WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+
+
+def ignored_layer_types(raw: Any) -> str | None:
+    """A warning when a config.json of a WINDOW_ON_EVERY_LAYER family lists a layer that does not
+    slide in its layer_types: it is ignored, as transformers ignores it. None otherwise."""
+    if not isinstance(raw, dict) or raw.get("model_type") not in WINDOW_ON_EVERY_LAYER:
+        return None
+    given = raw.get("layer_types")
+    if not isinstance(given, list) or all(kind == SLIDING for kind in given):
+        return None  # nothing that would change: every layer slides either way
+    return (f"layer_types is ignored for a {raw['model_type']} model, as transformers ignores it: the sliding "
+            f"window, where the config sets one, applies to every layer")
+
+
 def _layer_types(model_type: str, raw: dict[str, Any], window: int | None, layers: int) -> tuple[str, ...] | None:
     """Per-layer attention kind, or None when every layer attends over the whole history."""
-    given = raw.get("layer_types")
+    given = None if model_type in WINDOW_ON_EVERY_LAYER else raw.get("layer_types")
     if given is not None:
         if not isinstance(given, list) or len(given) != layers or any(t not in LAYER_TYPES for t in given):
             raise field_error("layer_types", given, f"must list one of {', '.join(LAYER_TYPES)} per layer "
@@ -109,7 +127,7 @@ def _layer_types(model_type: str, raw: dict[str, Any], window: int | None, layer
         pattern = raw.get("sliding_window_pattern")
         pattern = GEMMA3_WINDOW_PATTERN if pattern is None else count("sliding_window_pattern", pattern, 6)
         kinds = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(layers))
-    elif model_type in ("mistral", "mixtral", "qwen3_moe"):  # Qwen3-MoE: every layer, no max_window_layers
+    elif model_type in WINDOW_ON_EVERY_LAYER:  # Qwen3-MoE too: every layer, no max_window_layers
         kinds = tuple([SLIDING] * layers)
     elif model_type in ("qwen2", "qwen3"):
         first = raw.get("max_window_layers")

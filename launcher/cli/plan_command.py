@@ -16,6 +16,7 @@ from pathlib import Path
 from launcher.cli.options import (add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, int_at_least,
                                   non_empty_path, with_flag_name)
 from shardlib.expert_sharding import EXPERT_PARALLEL, TENSOR_PARALLEL
+from shardlib.families import ignored_layer_types
 from shardlib.instances import CPU_TARGET, INSTANCE_NAMES, NEURON_FAMILIES
 from shardlib.model_config import ignored_expert_fields, load_model_config, read_config_json
 from shardlib.planner import KV_STRATEGIES, Plan, kv_rows_text, plan
@@ -137,10 +138,11 @@ def _with_config_warnings(result: Plan, model: str | Path) -> Plan:
     report's `warning:` lines, --json's "warnings"): a Mixtral saved as "mistral" with
     num_local_experts 8 plans as a dense 7B model, as transformers reads it, with no word otherwise."""
     path = Path(model)
-    warning = ignored_expert_fields(read_config_json(path / "config.json" if path.is_dir() else path))
-    if warning is None:
+    raw = read_config_json(path / "config.json" if path.is_dir() else path)
+    warnings = tuple(w for w in (ignored_expert_fields(raw), ignored_layer_types(raw)) if w is not None)
+    if not warnings:
         return result
-    return dataclasses.replace(result, warnings=(*result.warnings, warning))
+    return dataclasses.replace(result, warnings=(*result.warnings, *warnings))
 
 
 def _named_by_flag(error: BaseException) -> str:
