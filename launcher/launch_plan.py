@@ -78,6 +78,8 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         raise ValueError(f"kv_cache_dtype ({config.kv_cache_dtype!r}): the {backend} backend's compiled graphs keep "
                          f"the KV cache in the compute dtype, so the plan would count an fp8 cache the device never "
                          f"holds; drop --kv-cache-dtype, or run eager (--no-compile)")
+    if config.compile and not entry.compiled_serving:
+        raise ValueError(compiled_serving_missing(backend, into_out))
     if config.cpus_per_rank is not None and entry.ray_resource is not None:  # it was ignored without a word
         raise ValueError(f"cpus_per_rank ({config.cpus_per_rank:g}) sizes the cpu backend's ranks; a {backend} rank "
                          f"takes one {entry.ray_resource} and one CPU. Leave it out")
@@ -131,6 +133,16 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
 
             check_presharded_dir(config.presharded_dir, model_config, plan.layout(), plan.dtype)
     return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan, host_holds)
+
+
+def compiled_serving_missing(backend: str, into_out: bool) -> str:
+    """The refusal of compiling on a backend whose compiled model lacks the serving engine's steps."""
+    why = (f"the {backend} backend's compiled graphs cover the static batch's shapes only, and every command "
+           f"runs the serving engine, whose steps they lack (the launch failed after compiling every graph)")
+    if into_out:
+        return f"compile: {why}; a {backend} compiled directory cannot be built yet. Run eager: `--no-compile` on " \
+               f"generate, serve, check or bench"
+    return f"compile: {why}; pass --no-compile (eager)"
 
 
 def refuse_context_past_seq_len(config, plan) -> None:

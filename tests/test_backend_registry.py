@@ -222,8 +222,8 @@ def test_a_private_cluster_without_the_backends_devices_is_bad_input_exit_2():
     from launcher.errors import NoDeviceResourceHere
 
     assert exit_code_for(NoDeviceResourceHere("x")) == 2 and exit_code_for(NoDeviceResource("x")) == 3
-    out = subprocess.run([sys.executable, "-m", "launcher", "generate", "--backend", "neuron", "--instance",
-                          "trn1.32xlarge", "--tp", "1", "--seq-len", "64", "--quiet", "hi"],  # the built-in model
+    out = subprocess.run([sys.executable, "-m", "launcher", "generate", "--backend", "neuron", "--no-compile",
+                          "--instance", "trn1.32xlarge", "--tp", "1", "--seq-len", "64", "--quiet", "hi"],  # the built-in model
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 2, out.stderr[-2000:]
     assert "the neuron backend's ranks need neuron_cores, but no alive node" in out.stderr, out.stderr[-2000:]

@@ -73,3 +73,17 @@ def test_a_backend_whose_graphs_hold_no_fp8_cache_refuses_one_when_compiling(sma
                                          r"KV cache in the compute dtype.*drop --kv-cache-dtype, or run eager"):
         plan_launch(LaunchConfig(**options), Progress(False))
     plan_launch(LaunchConfig(**options, compile=False), Progress(False))  # eager: the cache is fp8 there
+
+
+def test_a_backend_whose_compiled_model_cannot_serve_refuses_compiling_before_ray(small_model):
+    """Every command runs the serving engine, and the Neuron compiled model traces the static batch's
+    shapes only (no serve_step, a cache without nbytes): each launch compiled every bucket with
+    neuronx-cc, then failed its first rank's serving set-up."""
+    options = dict(model=str(small_model), backend="neuron", instance="trn1.32xlarge")
+    why = (r"compile: the neuron backend's compiled graphs cover the static batch's shapes only, and every command "
+           r"runs the serving engine, whose steps they lack \(the launch failed after compiling every graph\)")
+    with pytest.raises(ValueError, match=why + "; pass --no-compile \\(eager\\)$"):
+        plan_launch(LaunchConfig(**options), Progress(False))
+    with pytest.raises(ValueError, match=why + "; a neuron compiled directory cannot be built yet"):
+        plan_launch(LaunchConfig(**options), Progress(False), into_out=True)
+    assert plan_launch(LaunchConfig(**options, compile=False), Progress(False)).backend == "neuron"

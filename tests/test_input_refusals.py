@@ -583,7 +583,7 @@ def test_a_refused_layout_names_the_generate_flags(capsys, ray_tripwire):
     (["bench", "--request-timeout", "1e300"], "--request-timeout (1e+300) must be at most 1000000 seconds"),
     (["generate", "--load-timeout", "0", "x"], "--load-timeout (0.0) must be a finite positive number"),
     # taken and ignored without a word by a device backend, whose ranks take one device and one CPU
-    (["generate", "--backend", "neuron", "--instance", "trn1.32xlarge", "--cpus-per-rank", "0.5", "x"],
+    (["generate", "--backend", "neuron", "--no-compile", "--instance", "trn1.32xlarge", "--cpus-per-rank", "0.5", "x"],
      "--cpus-per-rank (0.5) sizes the cpu backend's ranks; a neuron rank takes one neuron_cores and one CPU. "
      "Leave it out"),
     (["serve", "--load-timeout", "-5"], "--load-timeout (-5.0) must be a finite positive number"),

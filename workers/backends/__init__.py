@@ -75,6 +75,10 @@ class BackendEntry:
     """Whether its compiled graphs keep an fp8 KV cache (--kv-cache-dtype) as the eager path does;
     False: the graphs hold the cache in the compute dtype, so the flag is refused with compiling on
     (the planner would count an fp8 cache the device never holds)."""
+    compiled_serving: bool = True
+    """Whether its compiled model has the serving engine's steps (serve_step at the serving
+    shapes, a cache that reports its size). Every command runs the serving engine, so False
+    refuses compiling on before Ray starts: the launch died after building every graph."""
 
 
 BACKENDS: dict[str, BackendEntry] = {entry.name: entry for entry in (
@@ -90,7 +94,9 @@ BACKENDS: dict[str, BackendEntry] = {entry.name: entry for entry in (
         found_when="Neuron devices (/dev/neuron*) exist",
         ray_resource="neuron_cores", constructor_options=("lnc",),
         device_files="/dev/neuron[0-9]*", device_tool="neuron-ls",
-        compiled_fp8_kv_cache=False),  # workers/compiled_neuron.py: the cache is a buffer of the model's dtype
+        # workers/compiled_neuron.py: the cache is a buffer of the model's dtype, and only the
+        # static batch's shapes are traced
+        compiled_fp8_kv_cache=False, compiled_serving=False),
     BackendEntry(
         name="cuda", implementation="workers.backends.cuda:CudaBackend",
         planner_target="workers.backends.planner_targets:cuda_target",
