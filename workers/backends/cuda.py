@@ -7,8 +7,8 @@ Ray install on the GPU machine) was available. CI has no GPU.
 What it does on a GPU host (written against torch's documented CUDA and NCCL APIs):
 - Each rank's bundle asks Ray for one `GPU`; Ray sets CUDA_VISIBLE_DEVICES for the actor, so the
   rank's GPU is cuda:0 inside its process.
-- `init_process_group` joins NCCL at the launcher's rendezvous (tcp://host:port, as the cpu backend
-  joins gloo); the collectives are workers.collectives.TorchDistributedCollectives, which allocate
+- `init_process_group` joins NCCL through rank 0's rendezvous store, as the cpu backend joins gloo
+  (workers/backends/base.py join_torch_distributed); the collectives are workers.collectives.TorchDistributedCollectives, which allocate
   on the tensor's device.
 - `prepare_model` moves the rank's model onto the GPU and compiles it with inductor exactly as the
   cpu backend does (workers/backends/inductor.py); the engine puts inputs, KV cache and sampling on
