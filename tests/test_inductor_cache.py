@@ -152,3 +152,41 @@ def test_a_compile_without_the_variable_caches_in_the_users_folder_whatever_look
     assert [p.name for p in (tmp_path / "tmp").iterdir()] == [planted.name]  # nothing else, no folder
     own = tmp_path / "cache" / f"inductor-uid{os.getuid()}"
     assert any(own.rglob("*.py")) and any((own / "precompiled_headers").glob("*.gch"))
+
+
+def test_a_compiled_directorys_cache_set_while_the_prefetch_imports_inductor_is_kept(own_cache, tmp_path,
+                                                                                      monkeypatch):
+    """The prefetch thread read the variable (torch's default, inherited from a parent that had
+    imported inductor), imported inductor for seconds while the rank's thread pointed the variable at
+    --out's cache, then wrote this user's folder over it: `corelaunch compile` exited 0 with no
+    graphs in --out. Here the import is held until the rank's thread has asked to point it."""
+    import threading
+    import types
+
+    import workers.inductor_cache as inductor_cache
+    from torch._inductor.runtime import cache_dir_utils
+    from workers.compiled import use_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", cache_dir_utils.default_cache_dir())
+    asked, importing = threading.Event(), threading.Event()
+
+    class HeldImport(types.ModuleType):
+        def __getattr__(self, name):  # `from ... import default_cache_dir` waits here, as a slow import does
+            importing.set()
+            asked.wait(30)
+            return getattr(cache_dir_utils, name)
+
+    monkeypatch.setitem(sys.modules, "torch._inductor.runtime.cache_dir_utils", HeldImport("held"))
+    monkeypatch.setattr(inductor_cache, "_compiled_dir_caches", set())
+    prefetch = threading.Thread(target=ensure_private_inductor_cache)
+    prefetch.start()
+    assert importing.wait(30)
+    out_cache = tmp_path / "out" / "cache"
+    rank = threading.Thread(target=use_cache_dir, args=(str(out_cache),))
+    rank.start()
+    rank.join(1.0)  # with the lock it waits for the prefetch's choice; without, it has written by now
+    asked.set()
+    prefetch.join(30)
+    rank.join(30)
+    assert not prefetch.is_alive() and not rank.is_alive()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(out_cache)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import os
 import platform
 import sys
 import time
@@ -60,7 +59,7 @@ from workers.kv_cache import KVCache
 from workers.kv_quant import to_cache, writable
 from workers.model import ShardedCausalLM
 from workers.granularities import DEFAULT_GRANULARITY, GRANULARITIES
-from workers.inductor_cache import ensure_private_inductor_cache, mark_compiled_dir_cache
+from workers.inductor_cache import ensure_private_inductor_cache, point_at
 from workers.kernels import decode_attention, prefill_attention, prefill_gemm, small_linear
 from workers.step import EAGER, StepParts, run_step
 
@@ -102,10 +101,7 @@ def use_cache_dir(path: str) -> None:
 
     Inductor reads TORCHINDUCTOR_CACHE_DIR each time it looks something up, so this takes effect
     for every graph compiled afterwards."""
-    path = os.path.abspath(path)
-    os.makedirs(path, exist_ok=True)
-    mark_compiled_dir_cache(path)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    point_at(path)
 
 
 def _compile(fn, fullgraph: bool = True):

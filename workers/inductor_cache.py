@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
@@ -34,6 +35,11 @@ _usable_named: set[str] = set()
 _compiled_dir_caches: set[str] = set()
 """Caches of compiled-model directories this process pointed the variable at (use_cache_dir)."""
 _failed_imports: list[BaseException] = []
+_variable_lock = threading.RLock()
+"""Held while the variable is read and written: the prefetch thread's choice (keep it, or write
+this user's folder) and a compiled-model directory's use_cache_dir on the rank's thread. Unheld,
+the prefetch read torch's default, imported inductor (seconds) while the rank pointed the variable
+at --out's cache, then wrote its own folder over it: `corelaunch compile` left --out without graphs."""
 """What went wrong importing inductor on the prefetch thread (workers/backends/inductor.py): said by
 the first compile instead of what a second import of the half-made modules would say."""
 
@@ -54,6 +60,22 @@ def ensure_private_inductor_cache() -> None:
     compile of the process. NativeUnavailable (a RuntimeError) naming the folder and the fix where
     nothing is named and this user's folder cannot be trusted, or where the named folder cannot be
     made or written; RuntimeError where importing inductor failed on the prefetch thread."""
+    with _variable_lock:
+        _ensure_private_inductor_cache()
+
+
+def point_at(path: str) -> None:
+    """TORCHINDUCTOR_CACHE_DIR set to `path`, a compiled-model directory's cache (made here), which a
+    refusal then names as the directory's (mark_compiled_dir_cache); never overwritten by a choice
+    the prefetch thread made before it (_variable_lock)."""
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    with _variable_lock:
+        mark_compiled_dir_cache(path)
+        os.environ[VARIABLE] = path
+
+
+def _ensure_private_inductor_cache() -> None:
     from workers.native_build import NativeUnavailable, trusted_dir
 
     if _failed_imports:
@@ -156,14 +178,13 @@ def named_by_user() -> bool:
     module wrote. Inductor's own first lookup writes its default into the variable (a compiler
     import on another thread, or any cache lookup before the first compile, may have made it), so a
     variable holding the default is torch's, not the user's."""
-    value = os.environ.get(VARIABLE)
-    if not value:
+    if not os.environ.get(VARIABLE):
         return False
     # Only now: importing torch._inductor imports dynamo, which looks up (and makes) the cache folder
     # the variable names, else torch's default under $TMPDIR, before this module could name its own.
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    value = os.path.abspath(value)
+    value = os.path.abspath(os.environ[VARIABLE])  # read again after the import, which takes seconds
     return value != os.path.abspath(default_cache_dir()) and value not in _written
 
 
