@@ -77,6 +77,9 @@ class ThreadTPGroup:
     _fault_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _calls_sent: int = field(default=0, init=False)
     """Submissions sent to rank 0 (fail_next's fault waits for one, or for work already there)."""
+    step_limit_s: float = field(default=120.0, init=False)
+    """How long a step on every rank (a load with its graphs, a request) may take before the group
+    is stopped with a TimeoutError: a stand-in for the timeouts a Ray group's driver enforces."""
 
     def start(self) -> None:
         from workers.rank_worker import RankWorker, WorkerSpec
@@ -196,6 +199,13 @@ class ThreadTPGroup:
         """Rank `rank` is gone: the health check reports it, the next request fails with WorkerDied."""
         self._dead.append(rank)
 
+    def compile_stats(self, timeout_s: float = 30.0) -> dict | None:
+        """Rank 0's graphs built so far and its compile-cache counters, as TPGroup.compile_stats
+        answers (None once the group is stopped, or where rank 0 runs eagerly). Without it the
+        pool's compile_stats raised AttributeError, and `corelaunch compile` in-process failed after
+        its graphs were built."""
+        return self.actors[0].compile_stats() if self.actors else None
+
     def dead_ranks(self, timeout_s: float = 5.0) -> list[str]:
         if not self.actors:
             return ["the group (stopped)"]
@@ -235,12 +245,12 @@ class ThreadTPGroup:
         threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(workers))]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + self.step_limit_s
         first_error_at = None
         while any(t.is_alive() for t in threads):
             if time.monotonic() > deadline:
                 self.kill()
-                raise TimeoutError(f"{self.name}: ranks did not {step} within 120 s")
+                raise TimeoutError(f"{self.name}: ranks did not {step} within {self.step_limit_s:g} s")
             if errors and first_error_at is None:
                 first_error_at = time.monotonic()
             if first_error_at is not None and time.monotonic() - first_error_at > 2.0:
@@ -268,8 +278,10 @@ class InProcessCluster:
         return sorted(g.name for g in self.groups)
 
 
-def use_in_process_groups(monkeypatch, cpus: int = 2) -> InProcessCluster:
-    """Make every Launcher started from now on (until monkeypatch undoes it) run in-process."""
+def use_in_process_groups(monkeypatch, cpus: int = 2, step_limit_s: float = 120.0) -> InProcessCluster:
+    """Make every Launcher started from now on (until monkeypatch undoes it) run in-process.
+    step_limit_s: each group's limit on one step of every rank (ThreadTPGroup.step_limit_s); a test
+    whose load builds graphs cold on a loaded host needs more than the default."""
     import workers.backends
     from launcher.cluster import placement, ray_cluster, tp_group
 
@@ -287,6 +299,7 @@ def use_in_process_groups(monkeypatch, cpus: int = 2) -> InProcessCluster:
 
     def new_group(*args, **kwargs) -> ThreadTPGroup:
         group = ThreadTPGroup(*args, **kwargs)
+        group.step_limit_s = step_limit_s
         cluster.groups.append(group)
         return group
 

@@ -100,12 +100,16 @@ def test_corelaunch_compile_is_not_refused_over_the_cache_its_ranks_do_not_use(p
     from launcher.api import LaunchConfig
     from launcher.launch_plan import plan_launch
     from launcher.progress import Progress
+    from tests.model_factory import build_random_model, save_model
 
     shared = tmp_path / "cache" / f"inductor-uid{os.getuid()}"
     shared.mkdir(parents=True)
     shared.chmod(0o777)
     private_ray_ahead.setenv("CORELAUNCH_CACHE", str(tmp_path / "cache"))
-    config = LaunchConfig(tp=1, progress=False, compile=True)
+    # A model of the test's own: without one, planning converted the built-in model into this
+    # empty cache first (half a minute), which has nothing to do with the compile cache's check.
+    model = str(save_model(build_random_model(seed=3), tmp_path / "model"))
+    config = LaunchConfig(tp=1, progress=False, compile=True, model=model)
     with pytest.raises(ValueError, match=r"cannot hold inductor's compiled graphs: refusing to use"):
         plan_launch(config, Progress(False))  # a launch's ranks would use it
     plan_launch(config, Progress(False), into_out=True)

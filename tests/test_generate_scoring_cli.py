@@ -21,7 +21,6 @@ def test_generate_scores_prompts_and_takes_a_logit_bias(in_process_cluster, caps
     from launcher.cli import main
     from shardlib.demo_model import ensure_demo_model
 
-    monkeypatch.setattr(Launcher, "compile_stats", lambda self: [])  # in-process groups keep none
     model_dir = str(ensure_demo_model())
     common = ["generate", "--model", model_dir, "--tp", "1", "--no-compile", "--max-new-tokens", "2",
               "--prompt", "The capital of France is"]

@@ -285,7 +285,6 @@ def test_generate_prints_its_result_before_the_shutdown(in_process_cluster, caps
         shutdown(self, grace_s)
 
     monkeypatch.setattr(Launcher, "shutdown", recording_shutdown)
-    monkeypatch.setattr(Launcher, "compile_stats", lambda self: [])  # in-process groups keep none
     assert main(["generate", "--model", str(ensure_demo_model()), "--tp", "1", "--no-compile", "--json", "--quiet",
                  "--max-new-tokens", "2", "--prompt", "hello"]) == 0
     assert printed_by_then and '"outputs"' in printed_by_then[0], printed_by_then
@@ -301,7 +300,6 @@ def test_a_shutdown_failing_after_the_answer_says_so_and_is_no_refusal(in_proces
         raise LaunchError("Ray could not be closed")
 
     monkeypatch.setattr(Launcher, "_close_ray", failing_close)
-    monkeypatch.setattr(Launcher, "compile_stats", lambda self: [])  # in-process groups keep none
     code = main(["generate", "--model", str(ensure_demo_model()), "--tp", "1", "--no-compile", "--json", "--quiet",
                  "--max-new-tokens", "2", "--prompt", "hello"])
     out, err = capsys.readouterr()

@@ -60,9 +60,6 @@ def ranks_elsewhere(tmp_path, monkeypatch, in_process_cluster):
 
     monkeypatch.setattr(ThreadTPGroup, "load", in_raylet_dir(ThreadTPGroup.load))
     monkeypatch.setattr(ThreadTPGroup, "start_serving", in_raylet_dir(ThreadTPGroup.start_serving))
-    # what the Ray group answers from rank 0 (the stand-in group does not offer it)
-    monkeypatch.setattr(ThreadTPGroup, "compile_stats", lambda self, timeout_s=30.0: self.actors[0].compile_stats()
-                        if self.actors else None, raising=False)
     monkeypatch.chdir(work)
     return work, specs
 
