@@ -991,7 +991,7 @@ class Launcher:
         from launcher.cluster import ray_cluster
         from launcher.cluster.placement import alive_nodes
         from launcher.cluster.replica_pool import ReplicaPool
-        from launcher.cluster.resources import missing_resource
+        from launcher.cluster.resources import missing_resource, node_split
         from launcher.cluster.tp_group import GroupTimeouts
 
         cfg, plan = self.config, self.plan
@@ -1025,7 +1025,8 @@ class Launcher:
                                  cfg.health_check_interval_s, note=self._progress.note)
         self._unless_stop_asked()  # shut down as the pool was set: it may have missed the pool
         self._unless_tokenizer_failed()
-        where = f" over up to {cfg.nodes} nodes" if cfg.nodes > 1 else ""
+        split = node_split(plan.tp_degree, cfg.nodes)  # a share on each of that many different nodes
+        where = f" split over {len(split)} nodes ({' + '.join(map(str, split))} ranks)" if split else ""
         with self._progress.step(
                 f"starting {self.replicas} replica(s) of {plan.tp_degree} {backend} worker(s){where}, "
                 f"{self._rank_resources.threads} thread(s) each: joining their groups and loading each "
@@ -1141,7 +1142,7 @@ class Launcher:
 
     def _size_replicas(self, backend: str, nodes: list):
         """(each rank's resources, replica count) for the alive `nodes` (launcher.cluster.placement.NodeInfo)."""
-        from launcher.cluster.resources import explain_unplaceable, groups_that_fit, rank_resources
+        from launcher.cluster.resources import explain_unplaceable, groups_that_fit, held_resources, rank_resources
 
         cfg, tp = self.config, self.plan.tp_degree
         device = backend_entry(backend).ray_resource
@@ -1151,10 +1152,13 @@ class Launcher:
             return rank_resources(**share, replicas=cfg.replicas, cpus_per_rank=cfg.cpus_per_rank), cfg.replicas
         # auto: as many groups as the free resources hold now (CPU shares: one CPU per rank by default)
         resources = rank_resources(**share, cpus_per_rank=cfg.cpus_per_rank or 1)
-        count = groups_that_fit([n.free for n in nodes], resources.bundle, tp, cfg.nodes)
-        holds = self._host_holds  # cpu groups on a private cluster share its RAM (counted before Ray started)
-        if holds is not None and count > max(holds, 1):
-            count = max(holds, 1)
+        count = self._auto_cap(groups_that_fit([n.free for n in nodes], resources.bundle, tp, cfg.nodes))
+        idle = self._auto_cap(groups_that_fit([n.total for n in nodes], resources.bundle, tp, cfg.nodes))
+        if 0 < count < idle:  # said, not silent: a launch right after another's groups left counts what they free
+            held = held_resources(resources.bundle, [n.total for n in nodes], [n.free for n in nodes],
+                                  [n.name for n in nodes])
+            self._progress.note(f"replicas=auto: starting {count} replica(s) of the {idle} the cluster holds "
+                                f"when idle; other groups or jobs hold {held or 'part of it'}")
         if count == 0 and device is None and cfg.cpus_per_rank is None:
             return rank_resources(**share), 1  # fractional CPUs: one group
         if count == 0:
@@ -1167,6 +1171,12 @@ class Launcher:
                                       [n.free for n in nodes], [n.name for n in nodes])
             raise PlacementTimeout(f"replicas=auto found room for no TP group: {why}")
         return resources, count
+
+    def _auto_cap(self, count: int) -> int:
+        """replicas=auto's count within what this host's RAM holds: cpu groups on a private cluster
+        share it (counted before Ray started)."""
+        holds = self._host_holds
+        return max(holds, 1) if holds is not None and count > max(holds, 1) else count
 
     def _refuse_unplaceable(self, nodes: list) -> None:
         """PlacementImpossible at once, rather than after --placement-timeout, when the alive nodes
@@ -1283,6 +1293,8 @@ class Launcher:
             starter = self._start_thread
             start_elsewhere = starter is not None and starter is not threading.current_thread()
             if not start_elsewhere:
+                if pool is not None and grace_s > INTERRUPT_GRACE_S:  # not at Ctrl-C or exit: Ray goes too
+                    self._wait_for_released_placements(pool)
                 self._close_ray()
         if start_elsewhere:
             # Ray stopped under a start() still calling it (connecting, sizing the replicas, placing
@@ -1299,6 +1311,30 @@ class Launcher:
         self._release_version_hold()
         if writer is not None:  # after Ray: the copy needs only this process, and Ctrl-C here leaves nothing running
             self._finish_cache_copy(writer, hurried=grace_s <= INTERRUPT_GRACE_S)
+
+    def _wait_for_released_placements(self, pool) -> None:
+        """Up to PLACEMENT_RELEASE_WAIT_S for Ray to hand back the resources of the groups the pool
+        just stopped: removing a placement group returns before they are free, and a launch right
+        after this one (replicas="auto" above all) counted only part of the cluster, saying nothing."""
+        import ray
+
+        from launcher.cluster.tp_group import PLACEMENT_RELEASE_WAIT_S, wait_until_released
+
+        if not ray.is_initialized():  # the groups went with Ray's session
+            return
+        started = [replica.started for replica in getattr(pool, "replicas", []) if replica.started is not None]
+        removed = [placement for placement in (getattr(s.group, "removed_placement", None) for s in started)
+                   if placement is not None]  # a test's stand-in group has none
+        if not removed:
+            return
+        try:
+            left = wait_until_released(removed, PLACEMENT_RELEASE_WAIT_S)
+        except Exception:  # noqa: BLE001 - Ray failing now must not fail the shutdown; nothing more to wait for
+            return
+        if left:
+            self._progress.note(f"Ray had not handed back the resources of {len(left)} of the {len(removed)} stopped "
+                                f"group(s) {PLACEMENT_RELEASE_WAIT_S:g} s into the shutdown; a launch right now may "
+                                f"find less room")
 
     def _finish_cache_copy(self, writer, hurried: bool) -> None:
         """Wait for the --presharded-cache copy still being written: up to CACHE_WRITE_WAIT_S, or

@@ -3,10 +3,8 @@ tests and benchmarks that start servers), and the interface traffic to another n
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import socket
-import struct
 
 
 def address_family(host: str) -> socket.AddressFamily:
@@ -17,6 +15,12 @@ def address_family(host: str) -> socket.AddressFamily:
         return socket.AF_INET6 if ipaddress.ip_address(host.strip("[]")).version == 6 else socket.AF_INET
     except ValueError:  # a name, or ""
         return socket.AF_INET
+
+
+def host_and_port(host: str, port: int) -> str:
+    """host:port as a user pastes it, an IPv6 address in brackets ([fd00::2]:29500): bare, the
+    port reads as part of the address."""
+    return f"[{host}]:{port}" if address_family(host) == socket.AF_INET6 and not host.startswith("[") else f"{host}:{port}"
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -84,30 +88,56 @@ def listener_below_the_ephemeral_range(host: str, backlog: int) -> socket.socket
 
 
 def address_toward(host: str) -> str:
-    """This host's IPv4 address that traffic to `host` leaves from (127.0.0.1 for a loopback host).
-    Nothing is sent: connecting a UDP socket only looks up the route."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    """This host's address that traffic to `host` leaves from, of host's family (127.0.0.1 for an
+    IPv4 loopback host, ::1 for the IPv6 one). Nothing is sent: connecting a UDP socket only looks
+    up the route. OSError where there is no route (or host names no address of its family)."""
+    host = host.strip("[]")
+    with socket.socket(address_family(host), socket.SOCK_DGRAM) as sock:
         sock.connect((host, 9))
         return sock.getsockname()[0]
 
 
-_SIOCGIFADDR = 0x8915  # Linux: an interface's (primary) IPv4 address
+def _plain_ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`address` as an IP address without brackets or %scope (so "::1", "[::1]" and
+    "0:0::1" compare equal), or None where it is no IP address."""
+    try:
+        return ipaddress.ip_address(address.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
 
 
 def interface_addresses() -> dict[str, str]:
-    """This host's network interfaces that have an IPv4 address, by name: their primary address
-    (Linux)."""
+    """This host's network interfaces that have an IPv4 address, by name: their first (primary)
+    IPv4 address."""
+    import psutil  # a dependency of ray[default], which every rank runs under
+
     addresses = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:
-                answer = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # no IPv4 address on this interface
-                continue
-            addresses[name] = socket.inet_ntoa(answer[20:24])
+    for name, entries in psutil.net_if_addrs().items():
+        first = next((entry.address for entry in entries if entry.family == socket.AF_INET), None)
+        if first is not None:
+            addresses[name] = first
     return addresses
 
 
 def interface_with_address(address: str) -> str | None:
-    """The name of this host's network interface whose primary IPv4 address is `address`, or None."""
-    return next((name for name, own in interface_addresses().items() if own == address), None)
+    """The name of this host's network interface that owns `address`, or None: for IPv4, the
+    interface whose primary address it is (given an interface, gloo listens on its first address:
+    an alias's interface would put it on the primary one, maybe on another network); for IPv6, any
+    of an interface's addresses (global and link-local ones come in no set order)."""
+    import psutil  # a dependency of ray[default], which every rank runs under
+
+    wanted = _plain_ip(address)
+    if wanted is None:
+        return None
+    if wanted.version == 4:
+        return next((name for name, own in interface_addresses().items() if _plain_ip(own) == wanted), None)
+    for name, entries in psutil.net_if_addrs().items():
+        if any(entry.family == socket.AF_INET6 and _plain_ip(entry.address) == wanted for entry in entries):
+            return name
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address (127.0.0.0/8, ::1): a group meeting there has every rank on one node."""
+    ip = _plain_ip(host)
+    return ip is not None and ip.is_loopback

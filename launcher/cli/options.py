@@ -330,9 +330,12 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
     add_backend_arguments(p)
     p.add_argument("--nodes", type=int, default=1,
-                   help="nodes one TP group spans when one node lacks cores: at most this many, each holding "
-                        "ceil or floor of TP / N ranks (a device backend: exactly this many, TP / N each); above 1 "
-                        "it needs a cluster to join (serve, whose Ray is private, takes 1 only) (default 1)")
+                   help="nodes one TP group is split over when one node lacks cores: 1 (default) keeps it on one "
+                        "node; N splits it over N different nodes (fewer only where fewer keep to ceil(TP / N) ranks "
+                        "a node: TP 4 over 3 uses 2, TP of them where N exceeds TP), ceil or floor of TP / N ranks on "
+                        "each, even where one node has room for all (a device backend: exactly N, TP / N each). A "
+                        "cluster without that many nodes with room waits out --placement-timeout. Above 1 it needs a "
+                        "cluster to join (serve, whose Ray is private, takes 1 only)")
     p.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="restarts of a failed replica within --restart-window; 0 disables them (default 3)")
     p.add_argument("--restart-window", type=float, default=600.0, metavar="S",

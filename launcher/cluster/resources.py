@@ -179,6 +179,19 @@ def groups_that_fit(free: Sequence[Mapping[str, float]], bundle: Mapping[str, fl
     return count
 
 
+def held_resources(bundle: Mapping[str, float], node_total: Sequence[Mapping[str, float]],
+                   node_free: Sequence[Mapping[str, float]], node_names: Sequence[str]) -> str:
+    """What of the resources a rank's `bundle` takes others hold now, node by node ("node a: CPU 3
+    of 4"), or "" where nothing is held."""
+    held = []
+    for name, total, free in zip(node_names, node_total, node_free):
+        taken = [f"{resource} {_fmt(total.get(resource, 0.0) - free.get(resource, 0.0))} of {_fmt(total[resource])}"
+                 for resource in bundle if total.get(resource, 0.0) - free.get(resource, 0.0) > _EPS]
+        if taken:
+            held.append(f"{name}: {', '.join(taken)}")
+    return "; ".join(held)
+
+
 def never_placeable(bundle: Mapping[str, float], tp: int, max_nodes: int,
                     node_total: Sequence[Mapping[str, float]]) -> bool:
     """Whether the nodes, even with nothing else on them, could not hold one group."""
@@ -243,10 +256,15 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
         missing = (f"the cluster lacks {', '.join(short)}" if short else
                    f"only {holding} node(s) can hold {per_node} such bundles, where it needs {max_nodes} (a "
                    f"group over several nodes takes the same share of its ranks on each)" if per_node is not None else
-                   f"its {len(shares)} roomiest nodes hold {' + '.join(str(n) for n in best[:len(shares)])} such "
-                   f"bundles, where it needs {split} (a group over several nodes takes at most ceil(TP / --nodes) "
-                   f"ranks on each)" if shares else
+                   f"{_roomiest(len(shares), len(node_total))} {' + '.join(str(n) for n in best[:len(shares)])} "
+                   f"such bundles, where it needs {split} (a group over several nodes takes at most ceil(TP / "
+                   f"--nodes) ranks on each)" if shares else
                    f"its {min(max_nodes, len(node_total))} roomiest node(s) hold only {sum(best)} such bundle(s)")
+        needed = max_nodes if per_node is not None else len(shares or [])
+        usable = sum(bundles_that_fit(t, bundle) >= 1 for t in node_total)
+        if not short and usable < needed:  # one roomy node is no way out: say so
+            missing += (f"; --nodes {max_nodes} puts the group's shares on {needed} different nodes, even where one "
+                        f"node has room for them all, and {usable} node(s) can hold a rank")
         # --cpus-per-rank sizes only a cpu rank's bundle (CPU alone); a device bundle is fixed. Named
         # only where some share fits: where the group needs more nodes than are alive (TP 2 over
         # --nodes 2 on one node), no share can help.
@@ -286,6 +304,11 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
              "TP; inside a Ray job, the job's own --entrypoint-num-cpus holds some)") if set(bundle) == {"CPU"} else ""
     return (f"it needs {need}; the cluster could hold it but other groups or jobs hold those resources "
             f"(alive nodes: {held}{free_txt}). Free them, add nodes, or lower --replicas{fewer}")
+
+
+def _roomiest(count: int, alive: int) -> str:
+    """"its 2 roomiest nodes hold" (no more than are alive), or "its only node holds"."""
+    return "its only node holds" if alive == 1 else f"its {min(count, alive)} roomiest nodes hold"
 
 
 def _no_rank_fits_way(bundle: Mapping[str, float], tp: int, max_nodes: int,

@@ -35,6 +35,7 @@ from launcher.cluster.replica_pool import STOPPED_BY_SHUTDOWN
 from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
 from launcher.cluster.resources import RankResources, actor_options, explain_unplaceable, node_split
 from workers.backends import BackendEntry, backend_entry
+from workers.net import host_and_port
 from workers.rank_worker import GenerateRequest, LoadSpec, LoadStats, ServeSpec, WorkerSpec
 from shardlib.planner import divisors, ranks_per_node
 
@@ -54,6 +55,39 @@ GRAPH_STEP = "build its graphs"
 """What a rank's load was doing: a load with warm-up (`corelaunch compile`) reads the shard, then
 builds every bucket's graphs, the longer part, which a timeout names; a graph builder's error (the
 compiler's, or a write of its cache) names GRAPH_STEP, whichever of the two was asked."""
+
+
+PLACEMENT_RELEASE_WAIT_S = 5.0
+"""How long a shutdown waits for Ray to hand back its groups' resources (usually well under a
+second): a launch right after it, replicas="auto" above all, then counts the whole cluster."""
+
+
+def wait_until_released(placement_groups: list, timeout_s: float) -> list:
+    """Wait up to timeout_s until Ray has handed back each removed placement group's resources;
+    those it has not yet, which the caller need not wait for any longer. Removing a group returns
+    at once; its state reads REMOVED first, and only a moment later do its bundles' resources
+    (named after its id: CPU_group_<id>) leave their nodes and the CPUs become free again."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(placement_groups)
+    while True:
+        pending = [pg for pg in pending if not _released(pg)]
+        if not pending or time.monotonic() >= deadline:
+            return pending
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
+def _released(pg) -> bool:
+    """Whether Ray has removed `pg` and freed its bundles' resources on every node."""
+    from ray.util.placement_group import placement_group_table
+
+    if placement_group_table(pg).get("state") != "REMOVED":
+        return False
+    try:  # per-node availability is not in Ray's public API: without it, REMOVED is all that is known
+        from ray._private.state import available_resources_per_node
+    except ImportError:
+        return True
+    group_id = pg.id.hex()
+    return not any(group_id in name for free in available_resources_per_node().values() for name in free)
 
 
 def placed_by_now(ready: ray.ObjectRef, timeout_s: float) -> bool:
@@ -137,6 +171,9 @@ class TPGroup:
     bundle_of_rank: list[int] = field(default_factory=list, init=False)
     """The placement-group bundle index each rank runs in (ranks are numbered node by node)."""
     _pg: object = field(default=None, init=False, repr=False)
+    removed_placement: object = field(default=None, init=False, repr=False)
+    """The placement group kill() removed, whose resources Ray hands back a moment later (a shutdown
+    waits for them: wait_until_released)."""
     _serve_refs: list = field(default_factory=list, init=False, repr=False)
     _static_ids: int = field(default=0, init=False, repr=False)
     _events: EventChannel | None = field(default=None, init=False, repr=False)
@@ -196,7 +233,7 @@ class TPGroup:
         host = "127.0.0.1" if len(self.node_groups()) == 1 else rank0["node_ip"]
         port = self._wait_all([self.actors[0].rendezvous_port.remote(host)], self.timeouts.rendezvous_s,
                               "choose a rendezvous port", ranks=[0])[0]
-        self._rendezvous = f"{host}:{port}"
+        self._rendezvous = host_and_port(host, port)
         # Ranks wait a little longer than the driver does, so a missing rank is reported by the
         # driver (naming every rank still waiting) rather than by rank 0's own rendezvous timeout.
         rank_timeout_s = self.timeouts.rendezvous_s + _RANK_TIMEOUT_MARGIN_S
@@ -268,8 +305,9 @@ class TPGroup:
             f"Ray placed {count} of the {self.tp_degree} ranks' bundles of {self.resources.bundle} on one node "
             f"({node[:8]}), more than the {planned} (ceil(TP {self.tp_degree} / --nodes {self.nodes})) the plan gave "
             f"that node's memory to, for {self.timeouts.placement_s:g} s (Ray filled the roomiest nodes "
-            f"first): pass a --nodes that divides {self.tp_degree} ({dividing}), or fewer ranks (a --tp that "
-            f"--nodes {self.nodes} divides)")
+            f"first): free room on other nodes, or pass a larger --nodes, so each node holds fewer ranks (it need "
+            f"not divide TP: a --nodes that divides {self.tp_degree} ({dividing}) only gives every node the same "
+            f"share), or a smaller --tp")
 
     def _place(self, timeout_s: float | None = None) -> None:
         """Reserve the bundles within timeout_s (the placement timeout when None); the message
@@ -382,7 +420,7 @@ class TPGroup:
         except TimeoutError:
             self.kill()
             raise RendezvousTimeout(f"{self._where(0)} did not connect its event stream to the driver's "
-                                    f"{host}:{port} within {self.timeouts.startup_s:g} s; the group was stopped. "
+                                    f"{host_and_port(host, port)} within {self.timeouts.startup_s:g} s; the group was stopped. "
                                     f"A firewall between the nodes must let rank 0 reach that port") from None
         self._heard_at = self._loops_checked_at = time.monotonic()
         self._last_load, self._last_counters = {"running": 0, "waiting": 0}, {}
@@ -697,7 +735,7 @@ class TPGroup:
                 remove_placement_group(self._pg)
             except Exception:  # noqa: BLE001 - removal of a group Ray already dropped
                 pass
-            self._pg = None
+            self.removed_placement, self._pg = self._pg, None
 
 
 def _result_not_returned(where: str, step: str, err: Exception) -> RankFailed:

@@ -104,15 +104,32 @@ def rendezvous_store(rendezvous: RendezvousInfo, rank: int, world_size: int, tim
 
 
 def _pin_gloo_to_the_route_to(host: str) -> None:
-    """Sets GLOO_SOCKET_IFNAME, which gloo reads each time it makes a process group's device."""
-    from workers.net import address_toward, interface_with_address
+    """Sets GLOO_SOCKET_IFNAME, which gloo reads each time it makes a process group's device, to
+    the interface this rank reaches `host` by (IPv4 or IPv6). Given an interface, gloo listens on
+    its first address, IPv4 where it has one: rank 0 at an IPv6 address then needs the nodes to
+    reach each other over that interface's IPv4 too, or the user's GLOO_SOCKET_IFNAME."""
+    from workers.net import address_toward, interface_with_address, is_loopback
 
     try:
         interface = interface_with_address(address_toward(host))
     except OSError:  # no route to rank 0: joining its store fails next, naming the address
         return
-    if interface is not None:  # else (an alias address, say) gloo's own choice stands
+    if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
+    elif not is_loopback(host):  # a group across nodes: gloo may listen where other nodes cannot reach
+        _warn_gloo_left_unpinned(host)
+
+
+def _warn_gloo_left_unpinned(host: str) -> None:
+    """Once a process (warnings shows a message once per place): no interface was found whose
+    address traffic to rank 0 leaves from (an alias address, say)."""
+    import warnings
+
+    warnings.warn(f"corelaunch: no network interface of this node owns the address it reaches rank 0 at {host} "
+                  f"from, so gloo listens on the address this host's name resolves to (127.0.1.1 on some "
+                  f"hosts, which other nodes cannot reach). If the group hangs joining, set GLOO_SOCKET_IFNAME "
+                  f"to the interface toward the other nodes (ip route get {host.strip('[]')}) on every node",
+                  RuntimeWarning, stacklevel=2)
 
 
 def leave_torch_distributed() -> None:

@@ -26,13 +26,14 @@ import datetime
 import importlib
 import inspect
 import os
+import socket
 
 import torch
 
 from workers.backends.base import (Backend, CompileOptions, RendezvousInfo, leave_torch_distributed,
                                    rendezvous_store)
 from workers.collectives import Collectives, TorchDistributedCollectives
-from workers.net import free_port_for_a_late_bind
+from workers.net import address_family, free_port_for_a_late_bind, host_and_port
 
 _INSTALL_HINT = (
     "install the AWS Neuron SDK packages from the AWS Neuron pip repository on a Trainium/Inferentia "
@@ -172,9 +173,10 @@ def shared_root_comm_id(store, rank: int, host: str) -> str:
     only once the SDK is imported and the group joined, seconds later: a port below the OS's
     ephemeral range, which no outbound connection's automatic bind takes meanwhile."""
     if rank == 0:
-        # an IPv6 address in brackets, as torch-xla writes it when it sets the variable itself
-        address = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        store.set(_ROOT_COMM_KEY, f"{address}:{free_port_for_a_late_bind(host='')}")
+        # free on every address of host's family, the one the runtime binds (rank 0's address may be
+        # IPv6: "" checked IPv4 alone); an IPv6 address in brackets, as torch-xla writes it itself
+        every_address = "::" if address_family(host) == socket.AF_INET6 else ""
+        store.set(_ROOT_COMM_KEY, host_and_port(host, free_port_for_a_late_bind(every_address)))
     return store.get(_ROOT_COMM_KEY).decode()
 
 
