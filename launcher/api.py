@@ -2083,8 +2083,10 @@ class Launcher:
 
     def _decode(self, token_ids, skip_special_tokens: bool, ending_ids, finish_reason: str | None,
                 prompt_ids=()) -> str | None:
-        """A generate() result's text: the text a stream of the same tokens reads (a stop token that
-        ended it left out, as vLLM leaves it out: TextStream)."""
+        """A generate() result's text: the whole output decoded at once after the prompt, as
+        transformers decodes it (a stop token that ended it left out, as vLLM leaves it out:
+        TextStream). A stream's text is the same but where a byte-fallback tokenizer meets bytes
+        that are not valid UTF-8 (README, Continuous batching and streaming: Text)."""
         if self.tokenizer is None:
             return None
         from launcher.serving.detokenizer import decode_after_prompt
