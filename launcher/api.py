@@ -1293,9 +1293,11 @@ class Launcher:
             starter = self._start_thread
             start_elsewhere = starter is not None and starter is not threading.current_thread()
             if not start_elsewhere:
-                if pool is not None and grace_s > INTERRUPT_GRACE_S:  # not at Ctrl-C or exit: Ray goes too
-                    self._wait_for_released_placements(pool)
-                self._close_ray()
+                try:
+                    if pool is not None and grace_s > INTERRUPT_GRACE_S:  # not at Ctrl-C or exit: Ray goes too
+                        self._wait_for_released_placements(pool)
+                finally:  # a Ctrl-C in the wait still closes Ray
+                    self._close_ray()
         if start_elsewhere:
             # Ray stopped under a start() still calling it (connecting, sizing the replicas, placing
             # them) crashed the process inside Ray, at times with a segfault. The start stops at its

@@ -79,7 +79,7 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
                          f"the KV cache in the compute dtype, so the plan would count an fp8 cache the device never "
                          f"holds; drop --kv-cache-dtype, or run eager (--no-compile)")
     if config.compile and not entry.compiled_serving:
-        raise ValueError(compiled_serving_missing(backend, into_out))
+        raise ValueError(compiled_serving_missing(config, backend, into_out))
     if config.cpus_per_rank is not None and entry.ray_resource is not None:  # it was ignored without a word
         raise ValueError(f"cpus_per_rank ({config.cpus_per_rank:g}) sizes the cpu backend's ranks; a {backend} rank "
                          f"takes one {entry.ray_resource} and one CPU. Leave it out")
@@ -135,14 +135,20 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
     return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan, host_holds)
 
 
-def compiled_serving_missing(backend: str, into_out: bool) -> str:
+def compiled_serving_missing(config, backend: str, into_out: bool) -> str:
     """The refusal of compiling on a backend whose compiled model lacks the serving engine's steps."""
     why = (f"the {backend} backend's compiled graphs cover the static batch's shapes only, and every command "
            f"runs the serving engine, whose steps they lack (the launch failed after compiling every graph)")
     if into_out:
-        return f"compile: {why}; a {backend} compiled directory cannot be built yet. Run eager: `--no-compile` on " \
+        return f"{why}; a {backend} compiled directory cannot be built yet. Run eager: `--no-compile` on " \
                f"generate, serve, check or bench"
-    return f"compile: {why}; pass --no-compile (eager)"
+    if config.compiled_dir is not None:  # its graphs cannot run, and --no-compile beside it is refused
+        from launcher.artifacts.compiled_dir import compiled_from
+
+        source = compiled_from(config.compiled_dir) or "<the checkpoint it was compiled from>"
+        return (f"{why}; compiled-model directory {config.compiled_dir} cannot run. Launch its model eagerly "
+                f"instead: --model {source} --no-compile, without --compiled")
+    return f"{why}; pass --no-compile (eager)"
 
 
 def refuse_context_past_seq_len(config, plan) -> None:

@@ -80,7 +80,7 @@ def test_a_backend_whose_compiled_model_cannot_serve_refuses_compiling_before_ra
     shapes only (no serve_step, a cache without nbytes): each launch compiled every bucket with
     neuronx-cc, then failed its first rank's serving set-up."""
     options = dict(model=str(small_model), backend="neuron", instance="trn1.32xlarge")
-    why = (r"compile: the neuron backend's compiled graphs cover the static batch's shapes only, and every command "
+    why = (r"^the neuron backend's compiled graphs cover the static batch's shapes only, and every command "
            r"runs the serving engine, whose steps they lack \(the launch failed after compiling every graph\)")
     with pytest.raises(ValueError, match=why + "; pass --no-compile \\(eager\\)$"):
         plan_launch(LaunchConfig(**options), Progress(False))

@@ -27,7 +27,8 @@ def test_a_launch_on_another_family_is_refused_naming_both_and_the_fix(model_dir
         compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), instance="trn2.48xlarge"))
     message = str(err.value)
     assert "compiled for trn1 (--instance trn1.32xlarge), which cannot run on trn2" in message, message
-    assert "Compile again on a trn2 instance (`corelaunch compile --backend neuron --instance trn2.48xlarge" in message
+    # no "Compile again" (a neuron compiled directory cannot be built: that command is refused)
+    assert message.endswith("this launch is for --instance trn2.48xlarge. Launch on a trn1 instance"), message
     # another size of the same family runs the same graphs
     same_family = compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), instance="trn1.2xlarge"))
     assert same_family.backend == "neuron" and same_family.instance == "trn1.2xlarge"
@@ -52,3 +53,18 @@ def test_a_cpu_launch_of_a_neuron_directory_is_told_the_backend_not_a_family(mod
         compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), instance="cpu", backend="cpu"))
     message = str(err.value)
     assert "--instance cpu" not in message and "backend: expected 'neuron' (compiled), found 'cpu'" in message, message
+
+
+def test_a_neuron_compiled_directory_is_refused_naming_its_model_eagerly(model_dir, tmp_path):  # noqa: F811
+    """Its graphs cannot run the serving engine (launcher/launch_plan.py compiled_serving_missing), and
+    --no-compile beside --compiled is refused: the way out is the model it was compiled from, eager."""
+    from launcher.launch_plan import plan_launch
+    from launcher.progress import Progress
+
+    root = fake_compiled_dir(tmp_path / "c", model_dir, backend="neuron", instance="trn1.32xlarge",
+                             instance_family="trn1", source=str(model_dir))
+    config = compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), instance="trn1.32xlarge"))
+    with pytest.raises(ValueError) as err:
+        plan_launch(config, Progress(False))
+    assert str(err.value).endswith(f"compiled-model directory {root} cannot run. Launch its model eagerly instead: "
+                                   f"--model {model_dir} --no-compile, without --compiled"), str(err.value)

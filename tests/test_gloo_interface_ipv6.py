@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -83,3 +84,25 @@ def test_a_rendezvous_address_names_an_ipv6_host_in_brackets(host, written):
     from workers.net import host_and_port
 
     assert host_and_port(host, 29500) == written
+
+
+def test_rank_0_at_ipv6_with_gloo_on_the_interfaces_ipv4_warns_naming_both(monkeypatch):
+    """Given an interface, gloo listens on its first address, IPv4 where it has one: a cluster whose
+    nodes reach each other over IPv6 alone then fails to join, so the rank says which address gloo
+    took and which variable changes it (the interface and its addresses stand in for a dual-stack
+    node's: this host's own have no IPv6 route off it to test with)."""
+    import workers.net as net
+    from workers.backends.base import _pin_gloo_to_the_route_to
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(net, "address_toward", lambda host: "fd00::5")
+    monkeypatch.setattr(net, "interface_with_address", lambda address: "eth9" if address == "fd00::5" else None)
+    monkeypatch.setattr(net, "interface_addresses", lambda: {"eth9": "10.9.0.5"})
+    with pytest.warns(RuntimeWarning, match=r"rank 0 is at the IPv6 address fd00::99, but gloo listens on eth9's "
+                                            r"IPv4 address 10\.9\.0\.5 .* set GLOO_SOCKET_IFNAME"):
+        _pin_gloo_to_the_route_to("fd00::99")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth9"
+    monkeypatch.setattr(net, "interface_addresses", lambda: {})  # IPv6 alone: gloo listens there, nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _pin_gloo_to_the_route_to("fd00::99")

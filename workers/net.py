@@ -121,9 +121,10 @@ def interface_addresses() -> dict[str, str]:
 
 def interface_with_address(address: str) -> str | None:
     """The name of this host's network interface that owns `address`, or None: for IPv4, the
-    interface whose primary address it is (given an interface, gloo listens on its first address:
-    an alias's interface would put it on the primary one, maybe on another network); for IPv6, any
-    of an interface's addresses (global and link-local ones come in no set order)."""
+    interface whose first address it is (a labelled alias, eth0:1, is an interface of its own
+    name; given an interface, gloo listens on its first address, so a secondary address added
+    without a label, which would put gloo on the first one, maybe on another network, gives None);
+    for IPv6, any of an interface's addresses (global and link-local ones come in no set order)."""
     import psutil  # a dependency of ray[default], which every rank runs under
 
     wanted = _plain_ip(address)

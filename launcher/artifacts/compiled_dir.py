@@ -140,6 +140,12 @@ def recorded_settings(root: str | Path | None) -> dict[str, Any]:
     return {name: manifest[name] for name in RECORDED_SETTINGS if name in manifest}
 
 
+def compiled_from(root: str | Path) -> str | None:
+    """The model a compiled-model directory was compiled from, as its manifest records it (None
+    where it cannot be read or records none)."""
+    return _readable_manifest(root).get("source")
+
+
 def pads_q_heads_at(model: str | Path, tp_degree: int) -> bool:
     """Whether --pad-q-heads adds zero heads to `model` at tp_degree (True when its config cannot be
     read: the flag is then compared as recorded). A layout records the padding it applied, so a
@@ -182,11 +188,15 @@ def refuse_another_instance_family(root: Path, manifest: dict[str, Any], instanc
         return
     launch_family = launch.family
     if launch_family != compiled_for:
+        from workers.backends import backend_entry
+
+        # a backend whose compiled directories no launch runs (launch_plan.compiled_serving_missing)
+        # is not told to compile another: that command is refused
+        again = (f"Compile again on {_a(launch_family)} instance (`corelaunch compile --backend neuron --instance "
+                 f"{instance} --out DIR ...`), or launch" if backend_entry("neuron").compiled_serving else "Launch")
         raise ValueError(f"compiled-model directory {root} holds Neuron graphs compiled for {compiled_for} "
                          f"(--instance {manifest.get('instance', compiled_for)}), which cannot run on {launch_family}; "
-                         f"this launch is for --instance {instance}. Compile again on {_a(launch_family)} instance "
-                         f"(`corelaunch compile --backend neuron --instance {instance} --out DIR ...`), or launch on "
-                         f"{_a(compiled_for)} instance")
+                         f"this launch is for --instance {instance}. {again} on {_a(compiled_for)} instance")
 
 
 def _a(word: str) -> str:

@@ -108,21 +108,36 @@ def _pin_gloo_to_the_route_to(host: str) -> None:
     the interface this rank reaches `host` by (IPv4 or IPv6). Given an interface, gloo listens on
     its first address, IPv4 where it has one: rank 0 at an IPv6 address then needs the nodes to
     reach each other over that interface's IPv4 too, or the user's GLOO_SOCKET_IFNAME."""
-    from workers.net import address_toward, interface_with_address, is_loopback
+    from workers.net import address_family, address_toward, interface_addresses, interface_with_address, is_loopback
 
     try:
         interface = interface_with_address(address_toward(host))
     except OSError:  # no route to rank 0: joining its store fails next, naming the address
         return
-    if interface is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
-    elif not is_loopback(host):  # a group across nodes: gloo may listen where other nodes cannot reach
-        _warn_gloo_left_unpinned(host)
+    if interface is None:
+        if not is_loopback(host):  # a group across nodes: gloo may listen where other nodes cannot reach
+            _warn_gloo_left_unpinned(host)
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    ipv4 = interface_addresses().get(interface)
+    if ipv4 is not None and address_family(host) == socket.AF_INET6 and not is_loopback(host):
+        _warn_gloo_on_ipv4(host, interface, ipv4)
+
+
+def _warn_gloo_on_ipv4(host: str, interface: str, ipv4: str) -> None:
+    """Rank 0 is at an IPv6 address, but gloo, given `interface`, listens on its IPv4 address: a
+    cluster whose nodes reach each other over IPv6 alone then fails to join."""
+    import warnings
+
+    warnings.warn(f"corelaunch: rank 0 is at the IPv6 address {host}, but gloo listens on {interface}'s IPv4 "
+                  f"address {ipv4} (its first): the nodes must reach each other over IPv4 there. If the group "
+                  f"hangs joining, set GLOO_SOCKET_IFNAME on every node to an interface with IPv6 alone",
+                  RuntimeWarning, stacklevel=2)
 
 
 def _warn_gloo_left_unpinned(host: str) -> None:
     """Once a process (warnings shows a message once per place): no interface was found whose
-    address traffic to rank 0 leaves from (an alias address, say)."""
+    address traffic to rank 0 leaves from (a secondary address added without a label, say)."""
     import warnings
 
     warnings.warn(f"corelaunch: no network interface of this node owns the address it reaches rank 0 at {host} "
