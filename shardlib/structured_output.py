@@ -128,11 +128,11 @@ out of the schema llguidance reads (_without_annotation_formats): the output is 
 there, as the schema allows."""
 
 
-def _schema_parts(schema: Mapping):
+def _schema_parts(schema: Mapping, skip: tuple[str, ...] = ()):
     """Each schema in `schema` (itself first) with its path ("#/properties/a"). Walked by keyword,
     so a property named "const", "format" or "x-guidance" is a name, not a keyword, and values
     (const, enum, default, examples) are never entered; iterative, as a schema may nest as deep as
-    json.dumps took it."""
+    json.dumps took it. skip: keywords whose schemas are not entered."""
     pending: list[tuple[object, str]] = [(schema, "#")]
     while pending:
         item, path = pending.pop()
@@ -140,6 +140,8 @@ def _schema_parts(schema: Mapping):
             continue  # true/false, or a malformed part: llguidance's own check words it
         yield item, path
         for key, value in item.items():
+            if key in skip:
+                continue
             where = f"{path}/{key}"
             if key in _SCHEMA_MAPS and isinstance(value, Mapping):
                 pending.extend((part, f"{where}/{name}") for name, part in value.items())
@@ -147,6 +149,73 @@ def _schema_parts(schema: Mapping):
                 pending.extend((part, f"{where}/{i}") for i, part in enumerate(value))
             elif key in _SCHEMA_VALUES:
                 pending.append((value, where))
+
+
+STRICT_CLOSED_BY = "additionalProperties"
+"""The keyword strict mode closes an object with (false: no key but those it names)."""
+_OPEN_OBJECT_KEYWORDS = (STRICT_CLOSED_BY, "unevaluatedProperties")
+"""Either says for itself what an object does with the keys it does not name: strict leaves it."""
+
+
+def closed_objects(schema: Mapping) -> dict:
+    """A copy of `schema` with each object schema that does not say what it does with other keys
+    (_OPEN_OBJECT_KEYWORDS) closed: "additionalProperties": false. What OpenAI's `strict: true` asks
+    of a tool's parameters or a response_format's schema: only the keys the schema names, so
+    arguments can go straight to a function (an open object let a small model add made-up keys).
+    Every schema position is walked (properties, items, prefixItems, anyOf/oneOf/allOf, $defs and
+    definitions, additionalProperties and patternProperties' schemas...), but not `not`, whose
+    schema is negated: closing it would widen what is allowed. The caller's schema is not changed."""
+    owned = _owned_copy(schema)
+    inside_all_of = {id(part) for item, _ in _schema_parts(owned, skip=("not",))
+                     for part in _list_of(item.get("allOf"))}
+    for item, _ in list(_schema_parts(owned, skip=("not",))):  # listed first: _close adds to the parts
+        if id(item) not in inside_all_of:
+            _close(item)
+    return owned
+
+
+def _owned_copy(schema: Mapping) -> dict:
+    """A deep copy of a schema, through its JSON text: as deep as json.dumps takes it, without
+    Python's recursion in copy.deepcopy."""
+    try:
+        return json.loads(_json_text(schema))
+    except RecursionError:
+        raise ValueError(TOO_DEEP) from None
+
+
+def _list_of(value) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _is_object_schema(item: Mapping) -> bool:
+    """An object schema: its type says so, or it has none and names properties."""
+    kind = item.get("type")
+    if kind is None:
+        return "properties" in item
+    return kind == "object" or (isinstance(kind, list) and "object" in kind)
+
+
+def _close(item: dict) -> None:
+    """Close one object schema in place (closed_objects). An allOf's parts are not closed
+    themselves: llguidance intersects them, so two closed parts naming different keys allow only
+    {}. Their holder is closed instead, naming the parts' keys (as any value: the parts say what
+    each takes), where every part lists its keys in "properties"; one that does not (a $ref, say)
+    leaves the holder as open as it was, since its keys cannot be known here."""
+    if not _is_object_schema(item) and "allOf" not in item:
+        return
+    if any(keyword in item for keyword in _OPEN_OBJECT_KEYWORDS):
+        return  # the schema says it itself: honoured
+    parts = _list_of(item.get("allOf"))
+    if parts:
+        if not all(isinstance(part, Mapping) and isinstance(part.get("properties"), Mapping) for part in parts):
+            return
+        own = item.setdefault("properties", {})
+        if not isinstance(own, dict):
+            return  # malformed: llguidance's own check words it
+        for part in parts:
+            for name in part["properties"]:
+                own.setdefault(name, {})
+    item[STRICT_CLOSED_BY] = False
 
 
 def _refuse_what_llguidance_misreads(parts: list[tuple[Mapping, str]]) -> None:

@@ -588,7 +588,7 @@ def test_chat_refusals():
     assert caught.value.param == "messages"
     with pytest.raises(ProtocolError) as caught:
         parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
-    assert caught.value.param == "messages.0.role" and "system|user|assistant" in caught.value.message
+    assert caught.value.param == "messages.0.role" and "('wizard') must be one of 'system', 'user'" in caught.value.message
     with pytest.raises(ProtocolError) as caught:  # pydantic's union branch leaked: "messages.0.content.str"
         parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": {"a": 1}}]})
     assert caught.value.param == "messages.0.content" and caught.value.message.startswith("messages.0.content: ")
@@ -625,7 +625,8 @@ def test_chat_refusals():
 @pytest.mark.parametrize("message, param, words", [
     # a misspelt content: the assistant turn went to the template empty (51 prompt tokens, not 59)
     ({"role": "assistant", "contnet": "Nice to meet you."}, "messages.1.contnet", "unknown key 'contnet' in messages.1"),
-    ({"role": "assistant", "content": None, "refusal": "I will not."}, "messages.1.refusal", "refusal and audio are not supported"),
+    ({"role": "user", "content": "x", "refusal": "I will not."}, "messages.1.refusal",
+     "refusal belongs to an assistant message (its refusal to answer), and a user message has none"),
     ({"role": "assistant", "content": "x", "audio": {"id": "a1"}}, "messages.1.audio", "unknown key 'audio'"),
     ({"role": "user", "content": "x", "tool_call_id": "c1"}, "messages.1.tool_call_id",
      "tool_call_id belongs to a tool message, and a user message has none"),
@@ -639,6 +640,43 @@ def test_a_key_a_message_does_not_take_is_refused_by_name(message, param, words)
     with pytest.raises(ProtocolError) as caught:
         parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}, message]})
     assert caught.value.param == param and words in caught.value.message, caught.value.message
+
+
+def test_an_assistants_refusal_is_its_text_where_it_has_no_content():
+    """OpenAI's answers carry `refusal`, which a replayed conversation sends back: a 400 before."""
+    def assistant(**fields) -> dict:
+        request = chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", **fields},
+                                 {"role": "user", "content": "y"}])
+        return request.chat_messages()[1]
+
+    assert assistant(content=None, refusal="I can't help with that.") == {"role": "assistant",
+                                                                          "content": "I can't help with that."}
+    assert assistant(refusal="No.")["content"] == assistant(content="", refusal="No.")["content"] == "No."
+    # both set: the content wins (the answer the client kept)
+    assert assistant(content="Sure.", refusal="No.")["content"] == "Sure."
+    assert assistant(content=[{"type": "text", "text": "Sure."}], refusal="No.")["content"] == "Sure."
+    assert refusal(chat, messages=[{"role": "assistant", "refusal": "\ud800"}]).param == "messages.0.refusal"
+
+
+def test_a_conversation_with_a_refusal_is_answered_and_the_refusal_is_the_assistants_turn(smollm2_tokenizer):
+    from tests.test_stream_interval_server import run_route
+    from tests.test_tokenize_routes import scripted_server
+
+    server = scripted_server(smollm2_tokenizer, "Fine.")
+    messages = [{"role": "user", "content": "Pick a lock."},
+                {"role": "assistant", "content": None, "refusal": "I can't help with that.", "annotations": []},
+                {"role": "user", "content": "A bike lock, mine."}]
+    answer = run_route(server, "/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert answer["choices"][0]["message"]["content"] == "Fine."
+    assert "assistant\nI can't help with that.<|im_end|>" in server.prompts[0]
+
+
+@pytest.mark.parametrize("role", ["bot", "", "USER"])
+def test_a_role_outside_the_set_is_quoted_with_the_roles_it_may_be(role):
+    err = refusal(chat, messages=[{"role": role, "content": "x"}])
+    assert err.param == "messages.0.role"
+    assert err.message == (f"messages.0.role ({role!r}) must be one of 'system', 'user', 'assistant', 'tool' or "
+                           f"'developer'")
 
 
 @pytest.mark.parametrize("message", [1, "hi", None, []], ids=["number", "string", "null", "array"])
@@ -1255,7 +1293,7 @@ def test_a_device_backends_serve_replica_leaves_the_cpu_share_out(ray_tripwire):
     from launcher.progress import Progress
     from launcher.serving import openai_app
 
-    launch = dict(backend="neuron", instance="trn1.32xlarge", progress=False)
+    launch = dict(backend="neuron", instance="trn1.32xlarge", progress=False, compile=False)  # neuron runs eager
     assert openai_app._cpus_per_rank(launch, 2) is None  # before any Ray call: no node list needed
     # the replica's launch then plans (Launcher.prepare would also start loading the tokenizer on
     # a thread, which outlived the test and raced the next one's transformers imports)
@@ -2752,7 +2790,7 @@ def test_tool_calls_through_the_official_client(client):
     [call] = named.choices[0].message.tool_calls
     assert call.function.name == "weather" and call.id.startswith("chatcmpl-tool-")
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
-    assert named.choices[0].finish_reason == "stop" and named.choices[0].message.content == ""
+    assert named.choices[0].finish_reason == "stop" and named.choices[0].message.content is None  # only calls
     pieces, names = [], set()
     for chunk in client.chat.completions.create(**asked, tool_choice={"type": "function", "function": {"name": "weather"}},
                                                 stream=True):
@@ -2848,8 +2886,10 @@ def test_responses_through_the_official_client(client):
     assert client.responses.retrieve(whole.id).output_text == whole.output_text
     scored = client.responses.create(**asked, include=["message.output_text.logprobs"], top_logprobs=2)
     logprobs = scored.output[0].content[0].logprobs
-    assert scored.output_text == whole.output_text and len(logprobs) == scored.usage.output_tokens
-    assert "".join(entry.token for entry in logprobs).startswith(whole.output_text)  # and the end token's
+    assert scored.output_text == whole.output_text and scored.output[0].status == "completed"
+    # the text's tokens: the end token that finished it is counted, and left out as its text is
+    assert "".join(entry.token for entry in logprobs) == whole.output_text
+    assert len(logprobs) == scored.usage.output_tokens - 1
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in logprobs)
     [sent] = client.responses.input_items.list(whole.id).data
     assert sent.type == "message" and sent.role == "user" and sent.content[0].text == question

@@ -127,10 +127,11 @@ def test_an_echo_only_choice_names_no_stop(smollm2_tokenizer):
 
 
 # ---- the HTTP routes, in-process ------------------------------------------------------------------
-def text_stream_server(tokenizer, script: str):
+def text_stream_server(tokenizer, script: str, scored=None):
     """tests/test_tokenize_routes.py's scripted server, its engine generating `script`'s tokens and
     then the tokenizer's EOS, read through a real TextStream with the route's stop strings and stop
-    token ids, as the Launcher's astream reads them."""
+    token ids, as the Launcher's astream reads them. scored(token, n, logprobs): the n-th token's
+    logprob entries, where the request asks for logprobs."""
     from tests.test_tokenize_routes import scripted_server
 
     server = scripted_server(tokenizer, script)
@@ -145,7 +146,8 @@ def text_stream_server(tokenizer, script: str):
         async def deltas():
             for n, token in enumerate(generated[:max_new_tokens], 1):
                 finish = "stop" if token in ending else "length" if n == max_new_tokens else None
-                delta = text.delta(TokenEvent("r", [token], finish))
+                entries = scored(token, n, logprobs) if scored is not None and logprobs is not None else None
+                delta = text.delta(TokenEvent("r", [token], finish, entries))
                 yield delta
                 if delta.finish_reason is not None:
                     return

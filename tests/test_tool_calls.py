@@ -330,7 +330,7 @@ def test_forced_calls_come_back_as_tool_calls_whole_and_streamed(model_dir, in_p
     assert auto.status == 400 and auto.param == "tool_choice" and "\"auto\" (the default with tools)" in auto.message
     # named: the arguments are the function's JSON, finished by "stop" (OpenAI's rule for a named call)
     for choice in named["choices"]:
-        assert choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
+        assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
         [call] = choice["message"]["tool_calls"]
         assert call["type"] == "function" and call["function"]["name"] == "weather"
         assert call["id"].startswith("chatcmpl-tool-")
@@ -350,7 +350,7 @@ def test_forced_calls_come_back_as_tool_calls_whole_and_streamed(model_dir, in_p
         "prompt_tokens_details": named_stream[-1]["usage"]["prompt_tokens_details"]}
     # required: a list of calls of the tools, finished by "tool_calls"
     for choice in required["choices"]:
-        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
         [call] = choice["message"]["tool_calls"]  # parallel_tool_calls false: exactly one
         assert call["function"]["name"] in ("set_flag", "weather")
         arguments_valid(call)
@@ -442,3 +442,26 @@ def test_each_tool_call_parser_reads_auto_with_its_own_reader(parser):
     whole = reader_class()
     whole.push("Just text.", True)
     assert whole.message() == {"role": "assistant", "content": "Just text."} and whole.finish_reason("stop") == "stop"
+
+
+@pytest.mark.parametrize("tool_choice, parser, script", [
+    (NAMED, None, '{"ok": true}'),
+    ("required", None, '[{"name": "set_flag", "parameters": {"ok": true}}]'),
+    ("auto", "hermes", '<tool_call>\n{"name": "set_flag", "arguments": {"ok": true}}\n</tool_call>'),
+], ids=["named", "required", "auto"])
+def test_a_message_of_only_tool_calls_has_null_content(smollm2_tokenizer, tool_choice, parser, script):
+    """OpenAI answers a message that holds only tool calls with content null (a forced call said "")."""
+    from tests.test_stream_interval_server import run_route
+    from tests.test_tokenize_routes import scripted_server
+
+    body = {**BASE, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 64}
+    answer = run_route(scripted_server(smollm2_tokenizer, script, tool_call_parser=parser), "/v1/chat/completions",
+                       body)
+    message = answer["choices"][0]["message"]
+    assert message["content"] is None and [c["function"]["name"] for c in message["tool_calls"]] == ["set_flag"]
+    # streamed: the opening's empty content, then only the calls (no content delta)
+    chunks = run_route(scripted_server(smollm2_tokenizer, script, tool_call_parser=parser), "/v1/chat/completions",
+                       {**body, "stream": True})
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""} and not any(d.get("content") for d in deltas[1:])
+    assert any(d.get("tool_calls") for d in deltas[1:])

@@ -66,8 +66,12 @@ def decode_text(tokenizer, ids, skip_special_tokens: bool = True) -> str:
 
 
 def decode_after_prompt(tokenizer, ids, prompt_ids=(), skip_special_tokens: bool = True) -> str:
-    """Generated token ids as text, as a stream primed with the prompt reads it (generate()'s text:
-    a SentencePiece first token keeps its space there too)."""
+    """Generated token ids as text, decoded after the prompt's last tokens as a stream is primed
+    (generate()'s text: a SentencePiece first token keeps its space there too). All ids are pushed
+    at once, so it equals the stream's text only where decoding in one piece and token by token
+    agree: with a byte-fallback tokenizer (Llama 2, Mistral) a run of byte tokens that is not valid
+    UTF-8 decodes here as one U+FFFD per byte of the whole run, while the stream has already sent
+    the run's complete characters and replaces only the dangling bytes (README, Text)."""
     detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids)
     return detokenizer.push(list(ids)) + detokenizer.flush()
 

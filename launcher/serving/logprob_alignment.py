@@ -6,9 +6,10 @@ A client reading a stream expects the tokens it is told about to be in the text 
 string's tokens never to appear, as the stop string itself never does (unless the request asked for
 include_stop_str_in_output: then the cut is after the stop string, and its tokens are in the text).
 So each entry waits here until the text sent reaches the token's first byte, and when a stop string
-ends the request the entries that start at or past the cut are dropped. A token that straddles the cut (its bytes begin
-before the stop string) is kept: part of it was sent; so is a token that adds nothing to the text
-(a skipped special token) right at the cut.
+ends the request the entries that start at or past the cut are dropped; so is the entry of a stop
+token (an EOS, a stop token id) whose text the text leaves out (StreamDelta.stop_token_hidden). A
+token that straddles the cut (its bytes begin before the stop string) is kept: part of it was sent;
+so is a token that adds nothing to the text (a skipped special token) right at the cut.
 
 Where a token starts is counted in bytes, not by its `text_offset`: the tokens of a character split
 over several share one offset (the text before the character, launcher/serving/token_pieces.py),
@@ -47,6 +48,10 @@ class AlignedLogprobs:
             self._waiting.append(_Placed(entry, self._placer.place(entry.token_id)))
         self._sent_bytes += len(delta.text.encode())
         if delta.finish_reason is not None:
+            if delta.stop_token_hidden and self._waiting:
+                # the stop token that ended the request, whose text the text leaves out: the last
+                # entry pushed (it is the delta's last token); usage still counts it
+                self._waiting.pop()
             # The end: everything the text holds is sent. Past a stop string's cut lie only the stop
             # string's tokens; otherwise what is left starts at the very end (a special token that
             # decodes to nothing, the last bytes of an unfinished character) and belongs to the text.

@@ -134,7 +134,8 @@ FIELD_RULES = {
     "response_format.json_schema.name": "a string of 1 to 64 letters, digits, _ or -",
     "response_format.json_schema.schema": "a JSON schema (an object)",
     "response_format.json_schema.description": "a string",
-    "response_format.json_schema.strict": "true or false (the schema is enforced either way)",
+    "response_format.json_schema.strict": "true or false (true: the schema's objects take no keys but those they "
+                                          "name, unless they say additionalProperties)",
     "structured_outputs": "an object with one of json (a JSON schema), regex, choice (a list of strings), grammar "
                           "(Lark) or json_object: true",
     "structured_outputs.json": "a JSON schema (an object, or its JSON text)",
@@ -463,8 +464,8 @@ class CompletionRequest(_GenerationRequest):
 
 class ChatMessage(NullMeansDefault):
     # Unknown keys refused, as the request's own are: ignored, a misspelt `content` made an assistant
-    # message an empty turn, and OpenAI's `refusal` and `audio` were dropped without a word. A null
-    # key is left out, as OpenAI takes it.
+    # message an empty turn, and OpenAI's `audio` was dropped without a word. A null key is left
+    # out, as OpenAI takes it.
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
@@ -485,6 +486,9 @@ class ChatMessage(NullMeansDefault):
     keeps only the last turn's)."""
     reasoning_content: str | None = None
     """reasoning's older name (vLLM takes it, `reasoning` winning when both are sent)."""
+    refusal: str | None = None
+    """An assistant's refusal, as OpenAI's answers carry it and a replayed conversation sends back:
+    the assistant's text where its content is null or empty (text())."""
     annotations: list | None = None
     """OpenAI's citations on an assistant's answer: its own answers carry `"annotations": []`, which a
     conversation recorded there sends back (refused, it failed such a replay); an empty list is taken
@@ -511,8 +515,13 @@ class ChatMessage(NullMeansDefault):
         if self.function_call is not None:  # {} too: it was dropped without a word
             raise ProtocolError(f"messages.{index}.function_call: the deprecated function_call is not supported; send "
                                 f"the assistant's calls as tool_calls", param=f"messages.{index}.function_call")
+        if self.refusal is not None and self.role != "assistant":
+            raise ProtocolError(f"messages.{index}.refusal belongs to an assistant message (its refusal to answer), "
+                                f"and a {self.role} message has none; leave it out", param=f"messages.{index}.refusal")
+        if self.refusal is not None:
+            check_utf8(self.refusal, f"messages.{index}.refusal")
         if (self.role == "assistant" and self.content is None and not self.tool_calls and self.reasoning is None
-                and self.reasoning_content is None):
+                and self.reasoning_content is None and self.refusal is None):
             # an empty assistant turn the client never meant (OpenAI refuses it); thinking alone is a turn
             raise ProtocolError(f"messages.{index}.content: an assistant message needs content or tool_calls (this "
                                 f"one has neither); send its text as content", param=f"messages.{index}.content")
@@ -552,6 +561,10 @@ class ChatMessage(NullMeansDefault):
         chat_utils, "string" content format), so a client moving from vLLM gets the same prompt
         (joined with nothing, "Question:" and "What" became "Question:What"); other part types are
         refused."""
+        if not self.content and self.refusal is not None:
+            # an assistant that refused: the refusal is what it said. Both set, the content wins: it
+            # is the answer the client kept, and one turn has one text
+            return self.refusal
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         texts = []
@@ -948,8 +961,8 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
         return ProtocolError(f"{param} ({_short(error.get('input'))}) must be {rules[param]}", param=param)
     if error["type"] == "extra_forbidden" and field == "messages" and len(loc) == 3:
         return ProtocolError(f"unknown key {clip(loc[2])!r} in messages.{loc[1]}; a message takes role, content, "
-                             f"name, and tool_calls and reasoning (assistant) or tool_call_id (tool) (OpenAI's refusal and "
-                             f"audio are not supported)", param=clip(param))
+                             f"name, and tool_calls, reasoning and refusal (assistant) or tool_call_id (tool) (OpenAI's "
+                             f"audio is not supported)", param=clip(param))
     if error["type"] == "extra_forbidden" and len(loc) > 1:  # inside an object field (stream_options)
         return ProtocolError(f"unknown parameter {clip(param)!r}; {field} must be "
                              f"{rules.get(field, 'as the OpenAI API reference says')}", param=clip(param))
@@ -959,6 +972,10 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
         return ProtocolError(f"{field!r} is required: {rules.get(field, 'see the OpenAI API reference')}",
                              param=field)
     value = error.get("input")
+    expected = (error.get("ctx") or {}).get("expected")
+    if field == "messages" and error["type"] == "literal_error" and expected:
+        # a value outside a message's fixed set (its role "bot"): quoted, with the set, as the table's rules say it
+        return ProtocolError(f"{param} ({_short(value)}) must be one of {expected}", param=param)
     if field == "messages" and loc[-1] == "content" and isinstance(value, list):
         # pydantic reports the union's string branch first; a list is the parts branch's business
         j = next((j for j, part in enumerate(value) if not isinstance(part, dict)), None)

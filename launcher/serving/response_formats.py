@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from launcher.serving.null_means_default import NullMeansDefault
-from shardlib.structured_output import StructuredOutput
+from shardlib.structured_output import StructuredOutput, closed_objects
 
 
 class JsonSchemaFormat(NullMeansDefault):
@@ -20,7 +20,9 @@ class JsonSchemaFormat(NullMeansDefault):
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: bool | None = None
-    """Taken and ignored: the schema is enforced token by token either way."""
+    """True: each object of the schema that does not say additionalProperties takes no key but those
+    it names (shardlib.structured_output.closed_objects), as OpenAI's strict mode generates; the
+    schema is enforced token by token either way."""
 
 
 class ResponseFormat(NullMeansDefault):
@@ -129,6 +131,7 @@ def _openai_format(response_format: ResponseFormat) -> tuple[StructuredOutput, s
                             param="response_format.json_schema.schema")
     param = "response_format.json_schema.schema"
     try:
-        return StructuredOutput(json=described.schema_), param
+        schema = closed_objects(described.schema_) if described.strict else described.schema_
+        return StructuredOutput(json=schema), param
     except ValueError as err:
         raise ProtocolError(f"{param}: {err}", param=param) from None

@@ -45,3 +45,8 @@ class StreamDelta:
     ended the text (one of the request's stop token ids, or an end token other than the tokenizer's
     own EOS); None for the tokenizer's EOS, for a structured output's end, for "length", and on every
     other delta. The OpenAI routes send it as the choice's stop_reason."""
+    stop_token_hidden: bool = False
+    """On the last delta when the stop token that ended the request (an EOS, one of its stop token
+    ids) is left out of the text (TextStream: unless include_stop_str_in_output): it is the last of
+    token_ids and of logprobs, and counted in completion_tokens, but none of its text is sent, so
+    its log-probability is not either (launcher/serving/logprob_alignment.py)."""

@@ -161,4 +161,5 @@ class TextStream:
         return StreamDelta(self.request_id, text, ids, finish, self.prompt_tokens,
                            self.completion_tokens, event.logprobs, first, event.prompt_logprobs,
                            self.stopped_by_string, event.cached_tokens,
-                           stop_reason=self.stop_reason)  # set only on the delta that ends it
+                           stop_reason=self.stop_reason,  # set only on the delta that ends it
+                           stop_token_hidden=len(shown) < len(ids))

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from launcher.serving import openai_protocol as proto
 from launcher.serving.call_json import is_text, loads_or_none, shape_or_none
 from launcher.serving.null_means_default import NullMeansDefault
-from shardlib.structured_output import StructuredOutput
+from shardlib.structured_output import StructuredOutput, closed_objects
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 """OpenAI's rule for a function's name."""
@@ -71,7 +71,9 @@ class FunctionDefinition(NullMeansDefault):
     parameters: dict | None = None
     """A JSON schema of the arguments (an object's); none: any JSON object."""
     strict: bool | None = None
-    """Taken and ignored: a forced call's arguments match the schema token by token either way."""
+    """True: a forced call's arguments take no key but those the schema's objects name, unless an
+    object says additionalProperties itself (shardlib.structured_output.closed_objects), as OpenAI's
+    strict mode generates; they match the schema token by token either way."""
 
 
 class Tool(NullMeansDefault):
@@ -91,7 +93,8 @@ _TOOL_RULES = {
     "function.name": "a string of 1 to 64 letters, digits, _ or -",
     "function.description": "a string",
     "function.parameters": "a JSON schema (an object)",
-    "function.strict": "true or false (the schema is enforced either way)",
+    "function.strict": "true or false (true: the parameters' objects take no keys but those they name, unless "
+                       "they say additionalProperties)",
 }
 
 
@@ -229,7 +232,8 @@ def check_tool_request(request, tool_call_parser: str | None = None) -> ToolUse:
     else:
         forced = _named(choice, tools)
         index = next(i for i, tool in enumerate(tools) if tool.function.name == forced)
-        structure = _checked_structure(named_schema(tools[index]), f"tools.{index}.function.parameters")
+        where = f"tools.{index}.function.parameters"
+        structure = _checked_structure(named_schema(tools[index], where), where)
     return ToolUse([tool.template_form() for tool in tools], forced, structure, id_parser=tool_call_parser)
 
 
@@ -240,7 +244,8 @@ def _required_structure(tools: list[Tool], parallel_tool_calls: bool) -> Structu
         return _checked_structure(required_schema(tools, parallel_tool_calls), "tools")
     except proto.ProtocolError:
         for i, tool in enumerate(tools):
-            _checked_structure(named_schema(tool), f"tools.{i}.function.parameters")
+            where = f"tools.{i}.function.parameters"
+            _checked_structure(named_schema(tool, where), where)
         raise
 
 
@@ -281,9 +286,17 @@ def _parameters_or_any_object(parameters: dict | None) -> dict:
     return parameters if parameters else {"type": "object", "properties": {}}
 
 
-def named_schema(tool: Tool) -> dict:
-    """The output schema of a named tool_choice: the function's arguments themselves."""
-    return _parameters_or_any_object(tool.function.parameters)
+def named_schema(tool: Tool, where: str) -> dict:
+    """The schema of a forced call's arguments (a named tool_choice's output, a "required" call's
+    "parameters"): the function's parameters (any object without), closed by `strict: true`
+    (closed_objects); `where` names the parameters in a 400."""
+    parameters = _parameters_or_any_object(tool.function.parameters)
+    if not tool.function.strict:
+        return parameters
+    try:
+        return closed_objects(parameters)
+    except ValueError as err:  # a schema nested past what can be copied: named as the grammar's check names it
+        raise proto.ProtocolError(f"{where}: {err}", param=where) from None
 
 
 def required_schema(tools: list[Tool], parallel_tool_calls: bool = True) -> dict:
@@ -295,7 +308,7 @@ def required_schema(tools: list[Tool], parallel_tool_calls: bool = True) -> dict
     reading ignores; a small model filled its whole budget with made-up keys after the parameters)."""
     items, defs = [], {}
     for i, tool in enumerate(tools):
-        parameters = dict(_parameters_or_any_object(tool.function.parameters))
+        parameters = dict(named_schema(tool, f"tools.{i}.function.parameters"))
         _refuse_root_references(parameters, f"tools.{i}.function.parameters")
         for section in _DEFINITIONS:
             own = parameters.pop(section, {})
@@ -590,7 +603,10 @@ class ToolCallReader:
         return finish
 
     def message(self) -> dict:
-        """The choice's message: content "" and the calls, as vLLM answers a forced call."""
+        """The choice's message: content null beside the calls, as OpenAI answers a message that
+        holds only tool calls (a client tells a call from an answer by it); "" where no call was
+        made (nothing generated)."""
         calls = self.calls()
-        return {"role": "assistant", "content": "", **({"tool_calls": calls} if calls else {})}
+        return {"role": "assistant", "content": None, "tool_calls": calls} if calls else \
+            {"role": "assistant", "content": ""}
 
