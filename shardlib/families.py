@@ -97,10 +97,11 @@ def layer_norm_elements(config) -> int:
     return (4 if family.sandwich_norms else 2) * config.hidden_size + (2 * config.head_dim if family.qk_norm else 0)
 
 
-# transformers' models of these families put the window on every layer and never read layer_types
-# (its Mistral warns that alternating windows need the Ministral classes): a config.json carrying
-# one ran windowed on alternate layers here and on every layer there
-WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+# transformers' models of these families put the window on every layer and never read layer_types:
+# a config.json carrying one ran windowed on alternate layers here and on every layer there. Not
+# Mistral: transformers' AutoConfig reads a "mistral" config.json with layer_types as Ministral,
+# which honours them, and so does this reader.
+WINDOW_ON_EVERY_LAYER = ("mixtral", "qwen3_moe")
 
 
 def ignored_layer_types(raw: Any) -> str | None:
@@ -111,6 +112,11 @@ def ignored_layer_types(raw: Any) -> str | None:
     given = raw.get("layer_types")
     if not isinstance(given, list) or all(kind == SLIDING for kind in given):
         return None  # nothing that would change: every layer slides either way
+    try:
+        if sliding_window(raw["model_type"], raw) is None:
+            return None  # no window: every layer attends over the whole history either way
+    except ValueError:
+        return None  # a bad window field: the plan's own check names it
     return (f"layer_types is ignored for a {raw['model_type']} model, as transformers ignores it: the sliding "
             f"window, where the config sets one, applies to every layer")
 
@@ -127,7 +133,7 @@ def _layer_types(model_type: str, raw: dict[str, Any], window: int | None, layer
         pattern = raw.get("sliding_window_pattern")
         pattern = GEMMA3_WINDOW_PATTERN if pattern is None else count("sliding_window_pattern", pattern, 6)
         kinds = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(layers))
-    elif model_type in WINDOW_ON_EVERY_LAYER:  # Qwen3-MoE too: every layer, no max_window_layers
+    elif model_type in ("mistral", *WINDOW_ON_EVERY_LAYER):  # Qwen3-MoE: every layer, no max_window_layers
         kinds = tuple([SLIDING] * layers)
     elif model_type in ("qwen2", "qwen3"):
         first = raw.get("max_window_layers")

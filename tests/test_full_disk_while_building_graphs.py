@@ -125,7 +125,9 @@ def _private_cache_with_the_native_kernels(cache: Path) -> Path:
 
     for kernel in (packed_linear, prefill_attention, decode_attention):
         assert kernel.available(), f"{kernel.__name__} did not build on this host: its own tests say why"
-    shutil.copytree(library_dir(), cache / library_dir().name)  # modes kept: 0700, as the rank checks
+    # under the name the compile looks for: it runs as uid 0 in its user namespace (--map-root-user),
+    # where this user's files show as uid 0's, so the folder's trust check passes there too
+    shutil.copytree(library_dir(), cache / "native-uid0")  # modes kept: 0700, as the rank checks
     return cache
 
 
@@ -146,10 +148,12 @@ def test_compile_onto_a_disk_that_fills_while_building_the_graphs_names_out_and_
     # the mount lives as long as the namespace: what the compile left is listed before it ends
     script = (f"mount -t tmpfs -o size={DISK} tmpfs {disk} && {compile_into_the_small_disk}; code=$?; "
               f"echo left: $(ls -A {disk}); exit $code")
-    # This process's TORCHINDUCTOR_CACHE_DIR is torch's default where it imported inductor (this file
-    # does): a compile started with it built its graphs outside --out before the prefetch thread and
-    # the rank's thread took turns with the variable (workers/inductor_cache.py), and filled no disk.
-    env = dict(os.environ)
+    # torch's default in TORCHINDUCTOR_CACHE_DIR, as a parent that imported inductor passes it on: a
+    # compile started with it built its graphs outside --out before the prefetch thread and the
+    # rank's thread took turns with the variable (workers/inductor_cache.py), and filled no disk
+    from workers.inductor_cache import torchs_default_folder
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=torchs_default_folder())
     done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], cwd=REPO,
                           capture_output=True, text=True, timeout=500, env=dict(env, CORELAUNCH_CACHE=str(cache)))
     # Without --quiet the steps are on stderr: a compile that never filled the disk shows its graphs built.

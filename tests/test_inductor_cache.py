@@ -184,7 +184,8 @@ def test_a_compiled_directorys_cache_set_while_the_prefetch_imports_inductor_is_
     out_cache = tmp_path / "out" / "cache"
     rank = threading.Thread(target=use_cache_dir, args=(str(out_cache),))
     rank.start()
-    rank.join(1.0)  # with the lock it waits for the prefetch's choice; without, it has written by now
+    rank.join(1.0)
+    assert rank.is_alive()  # it waits for the prefetch's choice (the lock); without, it had written by now
     asked.set()
     prefetch.join(30)
     rank.join(30)

@@ -312,11 +312,11 @@ def test_a_qwen3_moe_config_saved_as_qwen3_names_qwen3_moe(capsys, tmp_path):
                                   "these are Qwen3-MoE weights, set model_type to qwen3_moe"]
 
 
-def test_a_mistral_config_with_layer_types_warns_that_every_layer_slides(capsys, tmp_path):
-    raw = {**json.loads((CONFIGS / "mistral-7b-v0.1.json").read_text()), "sliding_window": 4096,
+def test_a_mixtral_config_with_layer_types_warns_that_every_layer_slides(capsys, tmp_path):
+    raw = {**json.loads(MIXTRAL.read_text()), "sliding_window": 4096,
            "layer_types": ["full_attention", "sliding_attention"] * 16}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     result = json.loads(plan_in_process(capsys, "--model", str(tmp_path), "--instance", "trn1.32xlarge", "--tp",
                                         "8", "--json").stdout)
-    assert result["warnings"] == ["layer_types is ignored for a mistral model, as transformers ignores it: the "
+    assert result["warnings"] == ["layer_types is ignored for a mixtral model, as transformers ignores it: the "
                                   "sliding window, where the config sets one, applies to every layer"]

@@ -35,13 +35,13 @@ _usable_named: set[str] = set()
 _compiled_dir_caches: set[str] = set()
 """Caches of compiled-model directories this process pointed the variable at (use_cache_dir)."""
 _failed_imports: list[BaseException] = []
+"""What went wrong importing inductor on the prefetch thread (workers/backends/inductor.py): said by
+the first compile instead of what a second import of the half-made modules would say."""
 _variable_lock = threading.RLock()
 """Held while the variable is read and written: the prefetch thread's choice (keep it, or write
 this user's folder) and a compiled-model directory's use_cache_dir on the rank's thread. Unheld,
 the prefetch read torch's default, imported inductor (seconds) while the rank pointed the variable
 at --out's cache, then wrote its own folder over it: `corelaunch compile` left --out without graphs."""
-"""What went wrong importing inductor on the prefetch thread (workers/backends/inductor.py): said by
-the first compile instead of what a second import of the half-made modules would say."""
 
 _UNUSABLE_FIXES = ("name a folder this user can write, or unset it (corelaunch then uses its own folder under "
                   "CORELAUNCH_CACHE)")
