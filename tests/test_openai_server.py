@@ -656,6 +656,22 @@ def test_an_assistants_refusal_is_its_text_where_it_has_no_content():
     assert assistant(content="Sure.", refusal="No.")["content"] == "Sure."
     assert assistant(content=[{"type": "text", "text": "Sure."}], refusal="No.")["content"] == "Sure."
     assert refusal(chat, messages=[{"role": "assistant", "refusal": "\ud800"}]).param == "messages.0.refusal"
+    # an empty refusal and no content is the empty turn the check refuses (it went through as "")
+    assert refusal(chat, messages=[{"role": "assistant", "content": None, "refusal": ""}]).param == "messages.0.content"
+
+
+def test_an_assistants_refusal_part_is_its_text_as_on_the_responses_route():
+    """OpenAI's assistant message takes {"type": "refusal", "refusal": ...} parts; chat refused them
+    ("content part type 'refusal' is not supported") while /v1/responses took them."""
+    request = chat(messages=[{"role": "user", "content": "x"},
+                             {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."},
+                                                               {"type": "text", "text": "Ask me another."}]},
+                             {"role": "user", "content": "y"}])
+    assert request.chat_messages()[1]["content"] == "I can't.\nAsk me another."
+    err = refusal(chat, messages=[{"role": "user", "content": [{"type": "refusal", "refusal": "No."}]}])
+    assert err.param == "messages.0.content.0" and "an assistant's refusal parts" in err.message
+    err = refusal(chat, messages=[{"role": "assistant", "content": [{"type": "refusal", "refusal": 5}]}])
+    assert err.param == "messages.0.content.0.refusal" and "(5) must be a string" in err.message
 
 
 def test_a_conversation_with_a_refusal_is_answered_and_the_refusal_is_the_assistants_turn(smollm2_tokenizer):

@@ -462,6 +462,11 @@ class CompletionRequest(_GenerationRequest):
         return [self.prompt]
 
 
+_TEXT_PART_KEYS = {(False, "text"): "text", (True, "text"): "text", (True, "refusal"): "refusal"}
+"""(an assistant's message?, a content part's type): the key holding the part's text; a refusal
+part only in an assistant's message, as OpenAI's message types have it."""
+
+
 class ChatMessage(NullMeansDefault):
     # Unknown keys refused, as the request's own are: ignored, a misspelt `content` made an assistant
     # message an empty turn, and OpenAI's `audio` was dropped without a word. A null key is left
@@ -521,7 +526,7 @@ class ChatMessage(NullMeansDefault):
         if self.refusal is not None:
             check_utf8(self.refusal, f"messages.{index}.refusal")
         if (self.role == "assistant" and self.content is None and not self.tool_calls and self.reasoning is None
-                and self.reasoning_content is None and self.refusal is None):
+                and self.reasoning_content is None and not self.refusal):
             # an empty assistant turn the client never meant (OpenAI refuses it); thinking alone is a turn
             raise ProtocolError(f"messages.{index}.content: an assistant message needs content or tool_calls (this "
                                 f"one has neither); send its text as content", param=f"messages.{index}.content")
@@ -559,8 +564,9 @@ class ChatMessage(NullMeansDefault):
     def text(self, index: int = 0) -> str:
         """The content as one string: text parts joined by a newline, as vLLM joins them (its
         chat_utils, "string" content format), so a client moving from vLLM gets the same prompt
-        (joined with nothing, "Question:" and "What" became "Question:What"); other part types are
-        refused."""
+        (joined with nothing, "Question:" and "What" became "Question:What"); an assistant's refusal
+        parts ({"type": "refusal", "refusal": ...}, as OpenAI's message type has them) are its text
+        too; other part types are refused."""
         if not self.content and self.refusal is not None:
             # an assistant that refused: the refusal is what it said. Both set, the content wins: it
             # is the answer the client kept, and one turn has one text
@@ -573,18 +579,21 @@ class ChatMessage(NullMeansDefault):
             if "type" not in part:
                 raise ProtocolError(f"{param} has no \"type\"; send text parts as {{\"type\": \"text\", "
                                     f"\"text\": ...}}", param=f"{param}.type")
-            if part.get("type") != "text":
+            key = _TEXT_PART_KEYS.get((self.role == "assistant", part.get("type")))
+            if key is None:
                 raise ProtocolError(f"{param}: content part type {_short(part.get('type'))} is not supported; only "
-                                    f"text parts ({{\"type\": \"text\", \"text\": ...}}) are", param=param)
-            if not isinstance(part.get("text"), str):
-                raise ProtocolError(f"{param}.text ({_short(part.get('text'))}) must be a string", param=f"{param}.text")
-            extra = next((key for key, value in part.items() if key not in ("type", "text") and value is not None),
+                                    f"text parts ({{\"type\": \"text\", \"text\": ...}}) are, and an "
+                                    f"assistant's refusal parts", param=param)
+            if not isinstance(part.get(key), str):
+                raise ProtocolError(f"{param}.{key} ({_short(part.get(key))}) must be a string", param=f"{param}.{key}")
+            extra = next((name for name, value in part.items() if name not in ("type", key) and value is not None),
                          None)
             if extra is not None:  # an image beside the text, say: dropped without a word before
-                raise ProtocolError(f"unknown key {clip(str(extra))!r} in text part {param}; a text part is "
-                                    f"{{\"type\": \"text\", \"text\": ...}}", param=f"{param}.{clip(str(extra))}")
-            check_utf8(part["text"], f"{param}.text")  # named by its part, not the joined content
-            texts.append(part["text"])
+                raise ProtocolError(f"unknown key {clip(str(extra))!r} in {part['type']} part {param}; such a part "
+                                    f"is {{\"type\": \"{part['type']}\", \"{key}\": ...}}",
+                                    param=f"{param}.{clip(str(extra))}")
+            check_utf8(part[key], f"{param}.{key}")  # named by its part, not the joined content
+            texts.append(part[key])
         return "\n".join(texts)
 
 
