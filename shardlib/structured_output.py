@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from shardlib.config_fields import show as _short
 
@@ -164,13 +165,18 @@ def closed_objects(schema: Mapping) -> dict:
     arguments can go straight to a function (an open object let a small model add made-up keys).
     Every schema position is walked (properties, items, prefixItems, anyOf/oneOf/allOf, $defs and
     definitions, additionalProperties and patternProperties' schemas...), but not `not`, whose
-    schema is negated: closing it would widen what is allowed. The caller's schema is not changed."""
+    schema is negated: closing it would widen what is allowed. Schemas that describe one object
+    together with others stay open (_kept_open): closed alone, each would refuse the others' keys.
+    The caller's schema is not changed."""
     owned = _owned_copy(schema)
-    inside_all_of = {id(part) for item, _ in _schema_parts(owned, skip=("not",))
-                     for part in _list_of(item.get("allOf"))}
-    for item, _ in list(_schema_parts(owned, skip=("not",))):  # listed first: _close adds to the parts
-        if id(item) not in inside_all_of:
-            _close(item)
+    items = [item for item, _ in _schema_parts(owned, skip=("not",))]
+    kept_open = _kept_open(owned, items)
+    # every decision is taken before any object changes: closing one adds to the properties another's
+    # decision reads (an allOf holder's, whose parts may be $ref targets that are holders themselves)
+    plans = [(item, _closing_keys(item, owned)) for item in items if id(item) not in kept_open]
+    for item, keys in plans:
+        if keys is not None:
+            _close(item, keys)
     return owned
 
 
@@ -195,26 +201,138 @@ def _is_object_schema(item: Mapping) -> bool:
     return kind == "object" or (isinstance(kind, list) and "object" in kind)
 
 
-def _close(item: dict) -> None:
-    """Close one object schema in place (closed_objects). An allOf's parts are not closed
-    themselves: llguidance intersects them, so two closed parts naming different keys allow only
-    {}. Their holder is closed instead, naming the parts' keys (as any value: the parts say what
-    each takes), where every part lists its keys in "properties"; one that does not (a $ref, say)
-    leaves the holder as open as it was, since its keys cannot be known here."""
-    if not _is_object_schema(item) and "allOf" not in item:
-        return
-    if any(keyword in item for keyword in _OPEN_OBJECT_KEYWORDS):
-        return  # the schema says it itself: honoured
-    parts = _list_of(item.get("allOf"))
-    if parts:
-        if not all(isinstance(part, Mapping) and isinstance(part.get("properties"), Mapping) for part in parts):
-            return
+_SAME_OBJECT = ("allOf", "anyOf", "oneOf")
+"""Applicators whose schemas describe the very object their holder does (not a part of it)."""
+
+
+def _kept_open(root: dict, items: list) -> set[int]:
+    """The ids of the schemas strict must not close, because each describes an object together with
+    another schema that may name other keys, and JSON Schema checks additionalProperties against a
+    schema's own properties alone (llguidance intersects them the same way): closed, each refuses
+    the other's keys, and a required one makes the schema unsatisfiable. These are
+    (a) an allOf's parts (their holder is closed instead, naming the parts' keys: _closing_keys);
+    (b) an object with keys of its own ("properties", or type object) beside anyOf/oneOf, and its
+        branches; so too where the branches meet an allOf, a $ref or the other union kind (a pure
+        union, Optional[Model]'s anyOf [{$ref}, {type null}], closes them: each branch is the whole
+        object there);
+    (c) a $ref beside "properties" of its own.
+    Whatever such a schema reaches by a local $ref or through anyOf/oneOf/allOf describes the same
+    object, so it stays open too, even where another place refers to it plainly."""
+    kept: set[int] = set()
+    for item in items:
+        for part in _list_of(item.get("allOf")):
+            _keep_open(part, root, kept)
+        if _union_beside_others(item):
+            _keep_open(item, root, kept)
+        if "$ref" in item and "properties" in item:
+            _keep_open(item, root, kept)
+    return kept
+
+
+def _union_beside_others(item: Mapping) -> bool:
+    """Whether anyOf/oneOf branches describe `item`'s object together with something else naming
+    keys: its own properties or type object, an allOf, a $ref, or both union kinds at once."""
+    unions = [keyword for keyword in ("anyOf", "oneOf") if _list_of(item.get(keyword))]
+    others = "properties" in item or _is_object_schema(item) or "allOf" in item or "$ref" in item
+    return bool(unions) and (others or len(unions) > 1)
+
+
+def _keep_open(schema, root: dict, kept: set[int]) -> None:
+    """Add `schema` and what describes the same object with it (_kept_open) to `kept`; iterative,
+    and each schema once, as references may go round (a recursive schema)."""
+    pending = [schema]
+    while pending:
+        item = pending.pop()
+        if not isinstance(item, Mapping) or id(item) in kept:
+            continue
+        kept.add(id(item))
+        pending.extend(_referenced(item, root))
+        for keyword in _SAME_OBJECT:
+            pending.extend(_list_of(item.get(keyword)))
+
+
+def _referenced(item: Mapping, root: dict) -> list:
+    """The schema a local "$ref" ("#", "#/$defs/A", "#/definitions/A/properties/b") points to in
+    `root`, as a one-item list; empty where there is none or it points outside the document."""
+    ref = item.get("$ref")
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return []
+    found = _pointed_to(root, ref[1:])
+    if found is None and "%" in ref:  # a URI fragment may percent-encode its pointer
+        found = _pointed_to(root, unquote(ref[1:]))
+    return [] if found is None else [found]
+
+
+def _pointed_to(root, pointer: str):
+    """The value a JSON pointer ("" or "/a/0/b~1c") names in `root`, or None."""
+    if pointer == "":
+        return root
+    if not pointer.startswith("/"):
+        return None  # an anchor ("#name"): not followed
+    here = root
+    for token in pointer[1:].split("/"):
+        token = token.replace("~1", "/").replace("~0", "~")  # RFC 6901's order: ~01 is "~1"
+        if isinstance(here, Mapping) and token in here:
+            here = here[token]
+        elif isinstance(here, list) and token.isdigit() and int(token) < len(here):
+            here = here[int(token)]
+        else:
+            return None
+    return here
+
+
+def _closing_keys(item: Mapping, root: dict) -> list[str] | None:
+    """The names strict closes `item` with, or None where it is left as sent: it is no object
+    schema, it says what other keys do itself, or its keys cannot all be known. A $ref's target says
+    the keys: the $ref itself is not closed (with a type object beside it, closed, it allowed only
+    {}). An allOf's holder names its own properties and its parts' (as any value: the parts say what
+    each takes), where every part's are known (_listed_keys); else it stays as open as it was."""
+    if "$ref" in item or any(keyword in item for keyword in _OPEN_OBJECT_KEYWORDS):
+        return None
+    if _list_of(item.get("allOf")):
+        return _listed_keys(item, root)
+    return [] if _is_object_schema(item) else None  # its own properties: named already
+
+
+def _listed_keys(schema, root: dict) -> list[str] | None:
+    """Every key an object matching `schema` may hold, where the schema lists them all: its own
+    "properties", its $ref target's and its allOf parts' (anyOf/oneOf branches': any one's), in
+    order; None where some schema on the way takes keys it does not list (no "properties", a
+    patternProperties, an additionalProperties other than false) or a reference cannot be followed."""
+    keys: dict[str, None] = {}
+    pending, seen = [schema], set()
+    while pending:
+        item = pending.pop()
+        if not isinstance(item, Mapping):
+            return None  # true (any object), or malformed: not listed
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if "patternProperties" in item or item.get(STRICT_CLOSED_BY, False) is not False:
+            return None
+        own = item.get("properties")
+        if own is not None and not isinstance(own, Mapping):
+            return None  # malformed: llguidance's own check words it
+        keys.update(dict.fromkeys(own or ()))
+        linked = _referenced(item, root)
+        if "$ref" in item and not linked:
+            return None
+        linked += _list_of(item.get("allOf")) + _list_of(item.get("anyOf")) + _list_of(item.get("oneOf"))
+        if own is None and not linked:
+            return None  # an object whose keys nothing lists
+        pending.extend(reversed(linked))  # depth first, in order: the keys as the parts list them
+    return list(keys)
+
+
+def _close(item: dict, keys: list[str]) -> None:
+    """Close one object schema in place: no key but `keys` (_closing_keys), those not among its
+    properties yet added there as any value (an allOf's parts say what each takes)."""
+    if keys:
         own = item.setdefault("properties", {})
         if not isinstance(own, dict):
             return  # malformed: llguidance's own check words it
-        for part in parts:
-            for name in part["properties"]:
-                own.setdefault(name, {})
+        for name in keys:
+            own.setdefault(name, {})
     item[STRICT_CLOSED_BY] = False
 
 

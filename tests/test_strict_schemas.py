@@ -14,7 +14,7 @@ import json
 import pytest
 
 from launcher.serving.openai_protocol import ChatCompletionRequest, ProtocolError, parse_request
-from shardlib.structured_output import closed_objects
+from shardlib.structured_output import StructuredOutput, closed_objects
 from tests.test_structured_output import fresh_loop, run, structured, wide_model  # noqa: F401 (a fixture)
 from tests.test_unenforced_schema_formats import accepts, grammar_tokenizer  # noqa: F401 (a fixture)
 
@@ -74,16 +74,52 @@ def test_an_all_of_is_closed_at_its_holder_naming_its_parts_keys():
     closed = closed_objects(schema)
     assert closed["additionalProperties"] is False and closed["properties"] == {"a": {}, "b": {}}
     assert all("additionalProperties" not in part for part in closed["allOf"])
-    # a part whose keys are not listed (a $ref) cannot be named: the holder stays as open as it was
+    # a $ref part: its target is a part too (left open), and its keys are named at the holder
     by_reference = closed_objects({"type": "object", "allOf": [{"$ref": "#/$defs/A"}],
                                    "$defs": {"A": {"type": "object", "properties": {"a": {}}}}})
-    assert "additionalProperties" not in by_reference
-    assert by_reference["$defs"]["A"]["additionalProperties"] is False
+    assert by_reference["additionalProperties"] is False and by_reference["properties"] == {"a": {}}
+    assert "additionalProperties" not in by_reference["$defs"]["A"]
+    # a part whose keys are not listed (a target naming none, a reference outside the document):
+    # they cannot be named, so the holder stays as open as it was
+    for unlisted in ({"type": "object"}, {"$ref": "https://example.com/a.json"}):
+        holder = closed_objects({"type": "object", "allOf": [{"$ref": "#/$defs/A"}, unlisted],
+                                 "$defs": {"A": {"type": "object", "properties": {"a": {}}}}})
+        assert "additionalProperties" not in holder, unlisted
+
+
+def test_what_describes_one_object_with_another_stays_open_and_the_rest_closes():
+    """The keep-open rule (closed_objects' _kept_open), read off the walk's result."""
+    place = {"type": "object", "properties": {"name": {"type": "string"}}}
+    # a pure union (Optional[Model]) closes its branch's target; a target also used as an allOf
+    # part elsewhere stays open; a deeper pointer with ~1 in a name is followed
+    schema = {"type": "object", "properties": {
+        "maybe": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]},
+        "both": {"$ref": "#/$defs/Shared"},
+        "mixed": {"allOf": [{"$ref": "#/$defs/Shared"}, {"properties": {"n": {}}}]},
+        "deep": {"allOf": [{"$ref": "#/$defs/Outer/properties/a~1b"}]},
+        "typed_ref": {"type": "object", "$ref": "#/$defs/Typed"},
+    }, "$defs": {"Place": place, "Shared": place, "Typed": place,
+                 "Outer": {"type": "object", "properties": {"a/b": place}}}}
+    closed = closed_objects(schema)
+    at, defs = closed["properties"], closed["$defs"]
+    assert defs["Place"]["additionalProperties"] is False
+    assert "additionalProperties" not in defs["Shared"]  # an allOf part at "mixed", plain at "both"
+    assert at["mixed"]["additionalProperties"] is False and list(at["mixed"]["properties"]) == ["name", "n"]
+    assert "additionalProperties" not in defs["Outer"]["properties"]["a/b"]
+    assert defs["Outer"]["additionalProperties"] is False  # the object holding it is no part
+    # a $ref beside a type object is not closed itself (it allowed only {} then); its target is
+    assert "additionalProperties" not in at["typed_ref"] and defs["Typed"]["additionalProperties"] is False
+    # an object with properties of its own beside anyOf: it, the branches and their targets stay open
+    union = closed_objects({"type": "object", "properties": {"kind": {}},
+                            "anyOf": [{"$ref": "#/$defs/A"}, {"properties": {"b": {}}}],
+                            "$defs": {"A": {"type": "object", "properties": {"a": {}}}}})
+    assert all("additionalProperties" not in part for part in (union, *union["anyOf"], union["$defs"]["A"]))
+    # so too beside an allOf (no properties of its own): a closed branch refused the part's keys
+    beside_all_of = closed_objects({"allOf": [{"properties": {"a": {}}}], "anyOf": [{"properties": {"b": {}}}]})
+    assert "additionalProperties" not in beside_all_of["anyOf"][0]
 
 
 def test_a_closed_all_of_takes_its_parts_keys_and_no_other(grammar_tokenizer):  # noqa: F811
-    from shardlib.structured_output import StructuredOutput
-
     schema = {"type": "object", "allOf": [{"properties": {"a": {"type": "string"}}, "required": ["a"]},
                                           {"properties": {"b": {"type": "integer"}}}]}
     spec = StructuredOutput(json=closed_objects(schema))
@@ -91,6 +127,52 @@ def test_a_closed_all_of_takes_its_parts_keys_and_no_other(grammar_tokenizer):  
     assert not accepts(grammar_tokenizer, spec, '{"a": "x", "b": "y"}')  # the part's type still holds
     assert not accepts(grammar_tokenizer, spec, '{"a": "x", "c": 1}')
     assert not accepts(grammar_tokenizer, spec, '{"b": 1}')  # and its required key
+
+
+PLAIN = {"type": "object", "properties": {"x": {"type": "integer"}}}
+"""A plain nested object in each schema below: strict still closes it."""
+A_DEF = {"A": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}
+B = {"b": {"type": "integer"}}
+# name: (schema, texts it accepts, texts strict refuses)
+BESIDE_OTHERS = {
+    "allOf: a $ref part and a part with its own required key": (
+        {"type": "object", "allOf": [{"$ref": "#/$defs/A"}, {"properties": {**B, "p": PLAIN}, "required": ["b"]}],
+         "$defs": A_DEF},
+        ['{"a": "x", "b": 1}'], ['{"a": "x", "b": 1, "c": 2}', '{"a": "x", "b": 1, "p": {"x": 1, "y": 2}}']),
+    "properties beside anyOf branches naming keys": (
+        {"type": "object", "properties": {"kind": {"type": "string"}, "p": PLAIN},
+         "anyOf": [{"properties": {"a": {"type": "string"}}, "required": ["a"]},
+                   {"properties": B, "required": ["b"]}]},
+        ['{"kind": "k", "a": "x"}', '{"kind": "k", "b": 1}'], ['{"kind": "k", "a": "x", "p": {"x": 1, "y": 2}}']),
+    "properties beside an allOf of a $ref": (
+        {"type": "object", "properties": {"c": {"type": "integer"}, "p": PLAIN}, "allOf": [{"$ref": "#/$defs/A"}],
+         "$defs": A_DEF},
+        ['{"c": 1, "a": "x"}'], ['{"c": 1, "a": "x", "d": 1}', '{"c": 1, "a": "x", "p": {"x": 1, "y": 2}}']),
+    "a $ref beside properties": (
+        {"type": "object", "$ref": "#/$defs/A", "properties": {**B, "p": PLAIN}, "$defs": A_DEF},
+        ['{"a": "x", "b": 1}'], ['{"a": "x", "b": 1, "p": {"x": 1, "y": 2}}']),
+    "anyOf branches beside an allOf": (
+        {"allOf": [{"properties": {"a": {"type": "string"}, "p": PLAIN}, "required": ["a"]}],
+         "anyOf": [{"properties": B, "required": ["b"]}]},
+        ['{"a": "x", "b": 1}'], ['{"a": "x", "b": 1, "p": {"x": 1, "y": 2}}']),
+    "Optional Model: a pure union closes the model": (
+        {"type": "object", "properties": {"m": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "null"}]}},
+         "$defs": A_DEF},
+        ['{"m": {"a": "x"}}', '{"m": null}'], ['{"m": {"a": "x", "z": 1}}', '{"m": null, "z": 1}']),
+}
+
+
+@pytest.mark.parametrize("name", list(BESIDE_OTHERS))
+def test_a_schema_that_describes_an_object_with_others_keeps_their_keys(grammar_tokenizer, name):  # noqa: F811
+    """Closed alone, each schema refused the others' keys (a required one: "Unsatisfiable schema");
+    llguidance's real matcher reads the closed schema. A plain object inside is still closed."""
+    schema, accepted, refused = BESIDE_OTHERS[name]
+    spec = StructuredOutput(json=closed_objects(schema))
+    for text in accepted:
+        assert accepts(grammar_tokenizer, StructuredOutput(json=schema), text), text  # the schema as sent takes it
+        assert accepts(grammar_tokenizer, spec, text), text
+    for text in refused:
+        assert not accepts(grammar_tokenizer, spec, text), text
 
 
 # ---- the request's grammar ------------------------------------------------------------------------
@@ -140,6 +222,48 @@ def test_strict_is_still_a_boolean():
     with pytest.raises(ProtocolError) as caught:
         chat(tools=[{"type": "function", "function": {"name": "f", "parameters": CITY, "strict": "yes"}}])
     assert caught.value.param == "tools.0.function.strict" and "true or false" in caught.value.message
+
+
+ADDR = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+def addressed(name: str, strict: bool, addr: dict = ADDR, to: dict | None = None) -> dict:
+    parameters = {"type": "object", "properties": {"to": to or {"$ref": "#/$defs/Addr"}}, "required": ["to"],
+                  "$defs": {"Addr": addr}}
+    return {"type": "function", "function": {"name": name, "parameters": parameters, "strict": strict}}
+
+
+def required_refusal(*tools: dict) -> ProtocolError:
+    with pytest.raises(ProtocolError) as caught:
+        chat(tools=list(tools), tool_choice="required").sampling()
+    return caught.value
+
+
+def test_required_tools_sharing_a_definition_strict_alike_share_it(grammar_tokenizer):  # noqa: F811
+    """Definitions move to the "required" schema's root, one namespace: byte-identical ones, closed alike, merge."""
+    for strict in (True, False):
+        spec = chat(tools=[addressed("send", strict), addressed("ship", strict)], tool_choice="required").sampling()
+        call = '[{"name": "ship", "parameters": {"to": {"city": "Paris", "zip": "1"}}}]'
+        assert accepts(grammar_tokenizer, spec.structured_output, call) is not strict
+
+
+def test_a_definition_sent_alike_but_closed_by_one_tools_strict_is_named_so():
+    """The client sent two identical $defs.Addr: "differs from another tool's" named nothing it could see."""
+    for strict, closing, open_one in (((True, False), 0, 1), ((False, True), 1, 0)):
+        refusal = required_refusal(addressed("send", strict[0]), addressed("ship", strict[1]))
+        assert refusal.param == "tools.1.function.parameters"
+        assert refusal.message == (f"tools.1.function.parameters.$defs.Addr: strict: true closes it in tools.{closing} "
+                                   f"but not in tools.{open_one}; give them different names, or make both tools "
+                                   f"strict or neither")
+    # both strict, one keeping Addr open as an allOf part: said so, not "strict closes it in one but not the other"
+    part_of = {"allOf": [{"$ref": "#/$defs/Addr"}, {"properties": {"floor": {"type": "integer"}}}]}
+    refusal = required_refusal(addressed("send", True), addressed("ship", True, to=part_of))
+    assert refusal.message.startswith("tools.1.function.parameters.$defs.Addr: strict: true closes it in one of "
+                                      "tools.0 and tools.1 and leaves it open in the other"), refusal.message
+    # sent differently: the tool the other one came from is named
+    refusal = required_refusal(addressed("send", True), addressed("ship", True, addr={**ADDR, "required": ["city"]}))
+    assert refusal.message.startswith("tools.1.function.parameters.$defs.Addr differs from tools.0's $defs.Addr; "
+                                      "the tools' definitions share one namespace here"), refusal.message
 
 
 # ---- generation ------------------------------------------------------------------------------------

@@ -306,7 +306,7 @@ def required_schema(tools: list[Tool], parallel_tool_calls: bool = True) -> dict
     now point; a reference to the tool's own root is refused (_refuse_root_references).
     One difference: no key but those two is allowed in a call (vLLM's schema allows any, which its
     reading ignores; a small model filled its whole budget with made-up keys after the parameters)."""
-    items, defs = [], {}
+    items, defs, owners = [], {}, {}
     for i, tool in enumerate(tools):
         parameters = dict(named_schema(tool, f"tools.{i}.function.parameters"))
         _refuse_root_references(parameters, f"tools.{i}.function.parameters")
@@ -318,11 +318,10 @@ def required_schema(tools: list[Tool], parallel_tool_calls: bool = True) -> dict
             for name, schema in own.items():
                 held = defs.setdefault(section, {})
                 if name in held and held[name] != schema:
-                    raise proto.ProtocolError(f"tools.{i}.function.parameters.{section}.{name} differs from another "
-                                              f"tool's {section}.{name}; the tools' definitions share one namespace "
-                                              f"here, so give them different names",
+                    raise proto.ProtocolError(_shared_definition_clash(tools, owners[section, name], i, section, name),
                                               param=f"tools.{i}.function.parameters")
                 held[name] = schema
+                owners.setdefault((section, name), i)
         items.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                      "parameters": parameters},
                       "required": ["name", "parameters"], "additionalProperties": False})
@@ -335,6 +334,32 @@ def required_schema(tools: list[Tool], parallel_tool_calls: bool = True) -> dict
 
 _DEFINITIONS = ("$defs", "definitions")
 """Where a schema keeps its named parts (draft 2019+ and draft 7): moved to the array's root."""
+
+
+def _shared_definition_clash(tools: list[Tool], first: int, later: int, section: str, name: str) -> str:
+    """The refusal of two tools' definitions of one name that differ in the "required" schema.
+    Where they were sent alike, strict (closed_objects) made them differ: said so, as a client sees
+    two identical definitions and would not know what to rename."""
+    where = f"tools.{later}.function.parameters.{section}.{name}"
+    sent = [_sent_definition(tools[i], section, name) for i in (first, later)]
+    if sent[0] != sent[1]:
+        return (f"{where} differs from tools.{first}'s {section}.{name}; the tools' definitions share one "
+                f"namespace here, so give them different names")
+    strict = [bool(tools[i].function.strict) for i in (first, later)]
+    if strict[0] != strict[1]:
+        closing, open_one = (first, later) if strict[0] else (later, first)
+        return (f"{where}: strict: true closes it in tools.{closing} but not in tools.{open_one}; give them "
+                f"different names, or make both tools strict or neither")
+    return (f"{where}: strict: true closes it in one of tools.{first} and tools.{later} and leaves it open in the "
+            f"other, which uses it beside other keys of the same object (an allOf part, a $ref beside "
+            f"properties, a branch of an object with properties of its own); give them different names")
+
+
+def _sent_definition(tool: Tool, section: str, name: str):
+    """A tool's named definition as the client sent it (before strict closed it)."""
+    parameters = tool.function.parameters or {}
+    named = parameters.get(section)
+    return named.get(name) if isinstance(named, dict) else None
 
 
 def _refuse_root_references(parameters: dict, where: str) -> None:
