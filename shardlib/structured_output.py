@@ -167,16 +167,14 @@ def closed_objects(schema: Mapping) -> dict:
     definitions, additionalProperties and patternProperties' schemas...), but not `not`, whose
     schema is negated: closing it would widen what is allowed. Schemas that describe one object
     together with others stay open (_kept_open): closed alone, each would refuse the others' keys.
+    Nothing is added to a schema but that one keyword, so the copy is as large as the schema.
     The caller's schema is not changed."""
     owned = _owned_copy(schema)
     items = [item for item, _ in _schema_parts(owned, skip=("not",))]
     kept_open = _kept_open(owned, items)
-    # every decision is taken before any object changes: closing one adds to the properties another's
-    # decision reads (an allOf holder's, whose parts may be $ref targets that are holders themselves)
-    plans = [(item, _closing_keys(item, owned)) for item in items if id(item) not in kept_open]
-    for item, keys in plans:
-        if keys is not None:
-            _close(item, keys)
+    for item in items:
+        if id(item) not in kept_open and _closes(item):
+            item[STRICT_CLOSED_BY] = False
     return owned
 
 
@@ -203,38 +201,37 @@ def _is_object_schema(item: Mapping) -> bool:
 
 _SAME_OBJECT = ("allOf", "anyOf", "oneOf")
 """Applicators whose schemas describe the very object their holder does (not a part of it)."""
+_CONDITIONAL = ("if", "then", "else")
+"""Keywords whose schemas describe the holder's object too, under a condition."""
+_DEPENDENT = ("dependentSchemas", "dependencies")
+"""Keywords mapping a key to a schema the holder's object must match where it has that key."""
+_COMPOSED_BY = (*_SAME_OBJECT, "$ref")
+"""Keywords that give a holder's keys from other schemas: such a holder is not closed itself."""
 
 
 def _kept_open(root: dict, items: list) -> set[int]:
     """The ids of the schemas strict must not close, because each describes an object together with
     another schema that may name other keys, and JSON Schema checks additionalProperties against a
     schema's own properties alone (llguidance intersects them the same way): closed, each refuses
-    the other's keys, and a required one makes the schema unsatisfiable. These are
-    (a) an allOf's parts (their holder is closed instead, naming the parts' keys: _closing_keys);
-    (b) an object with keys of its own ("properties", or type object) beside anyOf/oneOf, and its
-        branches; so too where the branches meet an allOf, a $ref or the other union kind (a pure
-        union, Optional[Model]'s anyOf [{$ref}, {type null}], closes them: each branch is the whole
-        object there);
-    (c) a $ref beside "properties" of its own.
-    Whatever such a schema reaches by a local $ref or through anyOf/oneOf/allOf describes the same
-    object, so it stays open too, even where another place refers to it plainly."""
+    the other's keys, and a required one makes the schema unsatisfiable. A schema composes where
+    more than one of these name its object's keys: its own properties (or patternProperties),
+    each allOf part, a $ref, anyOf's branches, oneOf's branches; or where it has conditional
+    parts (if/then/else, dependentSchemas). Then it, and whatever it reaches by a local $ref or
+    through those keywords, stays open, even where another place refers to it plainly. A pure
+    union (Optional[Model]'s anyOf [{$ref}, {type null}]) or one allOf part alone (a $ref wrapped
+    to carry a description) composes nothing: each branch, or the part, is the whole object."""
     kept: set[int] = set()
     for item in items:
-        for part in _list_of(item.get("allOf")):
-            _keep_open(part, root, kept)
-        if _union_beside_others(item):
-            _keep_open(item, root, kept)
-        if "$ref" in item and "properties" in item:
+        if _composes(item):
             _keep_open(item, root, kept)
     return kept
 
 
-def _union_beside_others(item: Mapping) -> bool:
-    """Whether anyOf/oneOf branches describe `item`'s object together with something else naming
-    keys: its own properties or type object, an allOf, a $ref, or both union kinds at once."""
-    unions = [keyword for keyword in ("anyOf", "oneOf") if _list_of(item.get(keyword))]
-    others = "properties" in item or _is_object_schema(item) or "allOf" in item or "$ref" in item
-    return bool(unions) and (others or len(unions) > 1)
+def _composes(item: Mapping) -> bool:
+    own = "properties" in item or "patternProperties" in item
+    describers = (int(own) + len(_list_of(item.get("allOf"))) + int("$ref" in item)
+                  + sum(1 for keyword in ("anyOf", "oneOf") if _list_of(item.get(keyword))))
+    return describers > 1 or any(keyword in item for keyword in (*_CONDITIONAL, *_DEPENDENT))
 
 
 def _keep_open(schema, root: dict, kept: set[int]) -> None:
@@ -249,6 +246,11 @@ def _keep_open(schema, root: dict, kept: set[int]) -> None:
         pending.extend(_referenced(item, root))
         for keyword in _SAME_OBJECT:
             pending.extend(_list_of(item.get(keyword)))
+        pending.extend(item.get(keyword) for keyword in _CONDITIONAL)
+        for keyword in _DEPENDENT:
+            dependent = item.get(keyword)
+            if isinstance(dependent, Mapping):  # draft 7's dependencies may map to key lists: skipped above
+                pending.extend(dependent.values())
 
 
 def _referenced(item: Mapping, root: dict) -> list:
@@ -274,66 +276,21 @@ def _pointed_to(root, pointer: str):
         token = token.replace("~1", "/").replace("~0", "~")  # RFC 6901's order: ~01 is "~1"
         if isinstance(here, Mapping) and token in here:
             here = here[token]
-        elif isinstance(here, list) and token.isdigit() and int(token) < len(here):
-            here = here[int(token)]
+        elif isinstance(here, list) and token.isascii() and token.isdigit() and int(token) < len(here):
+            here = here[int(token)]  # ASCII digits only: "¹" is a digit to str.isdigit, not to int()
         else:
             return None
     return here
 
 
-def _closing_keys(item: Mapping, root: dict) -> list[str] | None:
-    """The names strict closes `item` with, or None where it is left as sent: it is no object
-    schema, it says what other keys do itself, or its keys cannot all be known. A $ref's target says
-    the keys: the $ref itself is not closed (with a type object beside it, closed, it allowed only
-    {}). An allOf's holder names its own properties and its parts' (as any value: the parts say what
-    each takes), where every part's are known (_listed_keys); else it stays as open as it was."""
-    if "$ref" in item or any(keyword in item for keyword in _OPEN_OBJECT_KEYWORDS):
-        return None
-    if _list_of(item.get("allOf")):
-        return _listed_keys(item, root)
-    return [] if _is_object_schema(item) else None  # its own properties: named already
-
-
-def _listed_keys(schema, root: dict) -> list[str] | None:
-    """Every key an object matching `schema` may hold, where the schema lists them all: its own
-    "properties", its $ref target's and its allOf parts' (anyOf/oneOf branches': any one's), in
-    order; None where some schema on the way takes keys it does not list (no "properties", a
-    patternProperties, an additionalProperties other than false) or a reference cannot be followed."""
-    keys: dict[str, None] = {}
-    pending, seen = [schema], set()
-    while pending:
-        item = pending.pop()
-        if not isinstance(item, Mapping):
-            return None  # true (any object), or malformed: not listed
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if "patternProperties" in item or item.get(STRICT_CLOSED_BY, False) is not False:
-            return None
-        own = item.get("properties")
-        if own is not None and not isinstance(own, Mapping):
-            return None  # malformed: llguidance's own check words it
-        keys.update(dict.fromkeys(own or ()))
-        linked = _referenced(item, root)
-        if "$ref" in item and not linked:
-            return None
-        linked += _list_of(item.get("allOf")) + _list_of(item.get("anyOf")) + _list_of(item.get("oneOf"))
-        if own is None and not linked:
-            return None  # an object whose keys nothing lists
-        pending.extend(reversed(linked))  # depth first, in order: the keys as the parts list them
-    return list(keys)
-
-
-def _close(item: dict, keys: list[str]) -> None:
-    """Close one object schema in place: no key but `keys` (_closing_keys), those not among its
-    properties yet added there as any value (an allOf's parts say what each takes)."""
-    if keys:
-        own = item.setdefault("properties", {})
-        if not isinstance(own, dict):
-            return  # malformed: llguidance's own check words it
-        for name in keys:
-            own.setdefault(name, {})
-    item[STRICT_CLOSED_BY] = False
+def _closes(item: Mapping) -> bool:
+    """Whether strict closes `item`: an object schema that says nothing of other keys itself and
+    whose keys are its own (a $ref's target, allOf's parts or a union's branches give them
+    otherwise, and are closed there where they compose nothing: closed here too, with no
+    properties of its own, it allowed only {})."""
+    if any(keyword in item for keyword in (*_OPEN_OBJECT_KEYWORDS, *_COMPOSED_BY)):
+        return False
+    return _is_object_schema(item)
 
 
 def _refuse_what_llguidance_misreads(parts: list[tuple[Mapping, str]]) -> None:

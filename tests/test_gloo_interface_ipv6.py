@@ -94,7 +94,10 @@ def test_rank_0_at_ipv6_with_gloo_on_the_interfaces_ipv4_warns_naming_both(monke
     import workers.net as net
     from workers.backends.base import _pin_gloo_to_the_route_to
 
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # set first, so the variable this test's rank pins is taken away again afterwards (a delenv of an
+    # unset variable records nothing to undo: "eth9" stayed in the worker, and later tests' gloo failed)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "unset-after-the-test")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     monkeypatch.setattr(net, "address_toward", lambda host: "fd00::5")
     monkeypatch.setattr(net, "interface_with_address", lambda address: "eth9" if address == "fd00::5" else None)
     monkeypatch.setattr(net, "interface_addresses", lambda: {"eth9": "10.9.0.5"})

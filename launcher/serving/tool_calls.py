@@ -340,11 +340,12 @@ def _shared_definition_clash(tools: list[Tool], first: int, later: int, section:
     """The refusal of two tools' definitions of one name that differ in the "required" schema.
     Where they were sent alike, strict (closed_objects) made them differ: said so, as a client sees
     two identical definitions and would not know what to rename."""
+    sent_apart = _sent_differently(tools[first], tools[later], section, name)
+    if sent_apart is not None:  # this one, or one it refers to (a definition met later)
+        section, name = sent_apart
+        return (f"tools.{later}.function.parameters.{section}.{name} differs from tools.{first}'s {section}.{name}; "
+                f"the tools' definitions share one namespace here, so give them different names")
     where = f"tools.{later}.function.parameters.{section}.{name}"
-    sent = [_sent_definition(tools[i], section, name) for i in (first, later)]
-    if sent[0] != sent[1]:
-        return (f"{where} differs from tools.{first}'s {section}.{name}; the tools' definitions share one "
-                f"namespace here, so give them different names")
     strict = [bool(tools[i].function.strict) for i in (first, later)]
     if strict[0] != strict[1]:
         closing, open_one = (first, later) if strict[0] else (later, first)
@@ -353,6 +354,23 @@ def _shared_definition_clash(tools: list[Tool], first: int, later: int, section:
     return (f"{where}: strict: true closes it in one of tools.{first} and tools.{later} and leaves it open in the "
             f"other, which uses it beside other keys of the same object (an allOf part, a $ref beside "
             f"properties, a branch of an object with properties of its own); give them different names")
+
+
+def _sent_differently(one: Tool, other: Tool, section: str, name: str) -> tuple[str, str] | None:
+    """(section, name) of a definition both tools send under one name but not alike: this one
+    first, then any other (the one met first may differ only by what strict did to a definition it
+    refers to, which differs as sent); None where every shared one was sent alike."""
+    if _sent_definition(one, section, name) != _sent_definition(other, section, name):
+        return section, name
+    for shared_section in _DEFINITIONS:
+        mine = (one.function.parameters or {}).get(shared_section)
+        theirs = (other.function.parameters or {}).get(shared_section)
+        if not isinstance(mine, dict) or not isinstance(theirs, dict):
+            continue
+        for shared in mine.keys() & theirs.keys():
+            if mine[shared] != theirs[shared]:
+                return shared_section, shared
+    return None
 
 
 def _sent_definition(tool: Tool, section: str, name: str):
