@@ -1176,7 +1176,7 @@ class Launcher:
         """replicas=auto's count within what this host's RAM holds: cpu groups on a private cluster
         share it (counted before Ray started)."""
         holds = self._host_holds
-        return max(holds, 1) if holds is not None and count > max(holds, 1) else count
+        return count if holds is None else min(count, max(holds, 1))
 
     def _refuse_unplaceable(self, nodes: list) -> None:
         """PlacementImpossible at once, rather than after --placement-timeout, when the alive nodes

@@ -181,9 +181,14 @@ def closed_objects(schema: Mapping) -> dict:
 def _owned_copy(schema: Mapping) -> dict:
     """A deep copy of a schema, through its JSON text: as deep as json.dumps takes it, without
     Python's recursion in copy.deepcopy."""
+    return _read_back(_json_text(schema))
+
+
+def _read_back(text: str) -> dict:
+    """A schema's JSON text read into a copy of the caller's own."""
     try:
-        return json.loads(_json_text(schema))
-    except RecursionError:
+        return json.loads(text)
+    except RecursionError:  # read a few frames deeper than the caller's schema was written
         raise ValueError(TOO_DEEP) from None
 
 
@@ -317,10 +322,7 @@ def _annotation_format(part: tuple[Mapping, str]) -> bool:
 def _without_annotation_formats(text: str) -> str:
     """The schema's JSON text with each annotation format (_annotation_format) left out. Worked on a
     copy read back from the text: the caller's schema is not changed."""
-    try:
-        owned = json.loads(text)
-    except RecursionError:  # read a few frames deeper than the caller's schema was written
-        raise ValueError(TOO_DEEP) from None
+    owned = _read_back(text)
     for item, _ in [part for part in _schema_parts(owned) if _annotation_format(part)]:
         del item["format"]
     return _json_text(owned)

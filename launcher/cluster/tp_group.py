@@ -67,27 +67,32 @@ def wait_until_released(placement_groups: list, timeout_s: float) -> list:
     those it has not yet, which the caller need not wait for any longer. Removing a group returns
     at once; its state reads REMOVED first, and only a moment later do its bundles' resources
     (named after its id: CPU_group_<id>) leave their nodes and the CPUs become free again."""
+    try:  # per-node availability is not in Ray's public API: without it, REMOVED is all that is known
+        from ray._private.state import available_resources_per_node
+    except ImportError:
+        available_resources_per_node = None
     deadline = time.monotonic() + timeout_s
     pending = list(placement_groups)
     while True:
-        pending = [pg for pg in pending if not _released(pg)]
+        # the nodes' resources read once a pass, not once a group
+        free = available_resources_per_node() if available_resources_per_node is not None else None
+        pending = [pg for pg in pending if not _released(pg, free)]
         if not pending or time.monotonic() >= deadline:
             return pending
         time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
-def _released(pg) -> bool:
-    """Whether Ray has removed `pg` and freed its bundles' resources on every node."""
+def _released(pg, free_per_node: dict | None) -> bool:
+    """Whether Ray has removed `pg` and freed its bundles' resources on every node (free_per_node:
+    each node's available resources; None where they cannot be read, and REMOVED is then all)."""
     from ray.util.placement_group import placement_group_table
 
     if placement_group_table(pg).get("state") != "REMOVED":
         return False
-    try:  # per-node availability is not in Ray's public API: without it, REMOVED is all that is known
-        from ray._private.state import available_resources_per_node
-    except ImportError:
+    if free_per_node is None:
         return True
     group_id = pg.id.hex()
-    return not any(group_id in name for free in available_resources_per_node().values() for name in free)
+    return not any(group_id in name for free in free_per_node.values() for name in free)
 
 
 def placed_by_now(ready: ray.ObjectRef, timeout_s: float) -> bool:

@@ -44,14 +44,15 @@ class AlignedLogprobs:
         self._sent_bytes = 0
 
     def push(self, delta: StreamDelta) -> list[tuple[TokenLogprob, int]]:
-        for entry in delta.logprobs or ():
+        entries = list(delta.logprobs or ())
+        if delta.stop_token_hidden and entries:
+            # the stop token that ended the request, whose text the text leaves out: the delta's
+            # last token, never placed or sent; usage still counts it
+            entries.pop()
+        for entry in entries:
             self._waiting.append(_Placed(entry, self._placer.place(entry.token_id)))
         self._sent_bytes += len(delta.text.encode())
         if delta.finish_reason is not None:
-            if delta.stop_token_hidden and self._waiting:
-                # the stop token that ended the request, whose text the text leaves out: the last
-                # entry pushed (it is the delta's last token); usage still counts it
-                self._waiting.pop()
             # The end: everything the text holds is sent. Past a stop string's cut lie only the stop
             # string's tokens; otherwise what is left starts at the very end (a special token that
             # decodes to nothing, the last bytes of an unfinished character) and belongs to the text.
