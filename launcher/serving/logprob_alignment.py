@@ -45,7 +45,7 @@ class AlignedLogprobs:
 
     def push(self, delta: StreamDelta) -> list[tuple[TokenLogprob, int]]:
         entries = list(delta.logprobs or ())
-        if delta.stop_token_hidden and entries:
+        if delta.finish_reason is not None and delta.stop_token_hidden and entries:  # set on the last delta only
             # the stop token that ended the request, whose text the text leaves out: the delta's
             # last token, never placed or sent; usage still counts it
             entries.pop()
