@@ -48,8 +48,10 @@ class ServerMetrics:
             "Seconds between consecutive generated tokens of one choice (each choice of a request with n "
             "choices, or several prompts, counts its own gaps; a delta of several tokens counts "
             "its gap divided evenly among them; tokens arriving with the first count 0)", buckets=ITL_BUCKETS, registry=r)
-        self.generated_tokens = Counter("corelaunch_generated_tokens", "Tokens generated (all requests)",
-                                        registry=r)
+        self.generated_tokens = Counter(
+            "corelaunch_generated_tokens", "Generated tokens that reached the server, of every request (a "
+            "cancelled or timed-out whole answer's tokens its group still held, up to 63, are not counted)",
+            registry=r)
         self.prompt_tokens = Counter("corelaunch_prompt_tokens", "Prompt tokens of the requests admitted "
                                      "(counted at admission, however they end)",
                                      registry=r)
