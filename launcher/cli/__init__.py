@@ -14,6 +14,8 @@ import os
 import shlex
 import sys
 
+from launcher.cli.leftovers import named_with_their_values
+
 # subcommand name -> module implementing it
 SUBCOMMANDS = {
     "plan": "launcher.cli.plan_command",
@@ -97,6 +99,7 @@ def _parse_and_run(argv: list[str] | None) -> int:
     _OneLineErrors.words = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
+        extra = named_with_their_values(_OneLineErrors.words, extra)  # `--bogus 7`: not "--bogus" alone
         # `generate "A" --max-new-tokens 4 "B"`: argparse takes one run of positional prompts
         split_prompts = args.command == "generate" and not any(word.startswith("-") for word in extra)
         hint = ("; prompts go together (all options before or after them), or each with --prompt"

@@ -17,10 +17,10 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_layout_choices, add_no_compile,
-                                  add_pad_q_heads, add_sequence_parallel, add_timeout_arguments, backend_options,
-                                  in_tp_flag, int_at_least, layout_choices, timeout_options, with_flag_name,
-                                  without_nodes_ways)
+from launcher.cli.options import (add_backend_arguments, add_cpus_per_rank, add_kv_cache_dtype, add_layout_choices,
+                                  add_no_compile, add_pad_q_heads, add_sequence_parallel, add_timeout_arguments,
+                                  backend_options, in_tp_flag, int_at_least, layout_choices, timeout_options,
+                                  with_flag_name, without_nodes_ways)
 
 
 def add_parser(subparsers) -> None:
@@ -49,6 +49,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     add_kv_cache_dtype(p)
     add_backend_arguments(p)
+    add_cpus_per_rank(p)
     add_timeout_arguments(p)
     add_pad_q_heads(p)
     add_sequence_parallel(p)
@@ -196,7 +197,7 @@ def _bench(args: argparse.Namespace) -> dict:
     config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args), **timeout_options(args), pad_q_heads=args.pad_q_heads,
                           sequence_parallel=args.sequence_parallel, **layout_choices(args),
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          seq_len=args.seq_len, ray_address=args.ray_address,
+                          seq_len=args.seq_len, ray_address=args.ray_address, cpus_per_rank=args.cpus_per_rank,
                           compile=args.compile, progress=not args.quiet,
                           # The whole batch runs at once in the serving engine (generate's default path;
                           # no static batch, so no static rows are planned) and is prefilled in one

@@ -29,10 +29,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_layout_choices, add_max_num_seqs,
-                                  add_no_compile, add_pad_q_heads, add_sequence_parallel, add_timeout_arguments,
-                                  backend_options, in_tp_flag, int_at_least, layout_choices, max_num_seqs_option,
-                                  non_empty_path, timeout_options, with_flag_name, without_nodes_ways)
+from launcher.cli.options import (add_backend_arguments, add_cpus_per_rank, add_kv_cache_dtype, add_layout_choices,
+                                  add_max_num_seqs, add_no_compile, add_pad_q_heads, add_sequence_parallel,
+                                  add_timeout_arguments, backend_options, in_tp_flag, int_at_least, layout_choices,
+                                  max_num_seqs_option, non_empty_path, timeout_options, with_flag_name,
+                                  without_nodes_ways)
 from shardlib.evaluation.quantized_tolerances import DEFAULT_TOL_SPEC
 
 EXIT_PASS, EXIT_FAIL = 0, 1  # 2 (bad input) and 3 (the run failed): launcher/cli/exit_codes.py
@@ -85,6 +86,7 @@ def add_parser(subparsers) -> None:
                    help="positions per serving cache row: each prompt plus --num-tokens must fit "
                         "(default min(max_position_embeddings, 4096))")
     add_backend_arguments(p)
+    add_cpus_per_rank(p)
     add_timeout_arguments(p)
     add_pad_q_heads(p)
     add_sequence_parallel(p)
@@ -555,7 +557,7 @@ def _launcher(args, model_dir: Path):
                           sequence_parallel=args.sequence_parallel, **layout_choices(args),
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=0,  # continuous alone
                           seq_len=args.seq_len, **max_num_seqs_option(args),
-                          ray_address=args.ray_address,
+                          ray_address=args.ray_address, cpus_per_rank=args.cpus_per_rank,
                           compile=args.compile, progress=not args.quiet)
     return Launcher(config).prepare()
 

@@ -340,8 +340,7 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
                    help="restarts of a failed replica within --restart-window; 0 disables them (default 3)")
     p.add_argument("--restart-window", type=float, default=600.0, metavar="S",
                    help="seconds over which --max-restarts is counted (default 600)")
-    p.add_argument("--cpus-per-rank", type=float, metavar="C",
-                   help="cpu backend: CPUs per rank (default: the cluster's CPUs divided over every rank)")
+    add_cpus_per_rank(p)
     p.add_argument("--presharded-cache", action="store_true",
                    help="write a pre-sharded copy after the first load and restart groups from it")
     p.add_argument("--lnc", type=int, choices=[1, 2], help="logical NeuronCore config (default: per instance)")
@@ -364,6 +363,15 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     add_bucket_lists(p)
     add_timeout_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def add_cpus_per_rank(p: argparse.ArgumentParser) -> None:
+    """--cpus-per-rank (generate, serve, check, bench; compile words its own help): a cpu rank's CPU
+    share, checked by LaunchConfig. check and bench lacked it, so inside a Ray job whose entrypoint
+    holds a CPU of the node (--entrypoint-num-cpus) their ranks, each asking its node's CPUs / TP,
+    could never be placed."""
+    p.add_argument("--cpus-per-rank", type=float, metavar="C",
+                   help="cpu backend: CPUs per rank (default: the cluster's CPUs divided over every rank)")
 
 
 def add_timeout_arguments(p: argparse.ArgumentParser) -> None:

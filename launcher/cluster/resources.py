@@ -279,13 +279,17 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
         spread = next((n for n in range(max_nodes + 1, len(node_total) + 1)
                        if place_group([dict(t) for t in node_total], bundle, tp, n) is not None), None)
         # the whole cluster is short: spreading the group over more nodes, or fewer, cannot help
+        # --nodes above 1 was the user's, so their command takes it; at 1, more nodes per group is a
+        # way out only of the commands that have --nodes
+        elsewhere = _WHERE_NODES_IS_TAKEN if max_nodes <= 1 else ""
         ways = ("Add nodes with these resources" if short else
                 f"Add nodes that hold {per_node} such bundles each, pass fewer --nodes (more ranks on each node)"
                 if per_node is not None else
                 f"Add nodes that hold {shares[0]} such bundles each, pass fewer --nodes (more ranks on each node)"
                 if shares and spread is None else
-                f"Add nodes with these resources, allow more nodes per group (--nodes {spread} holds it)"
-                if spread is not None else "Add nodes with these resources, allow more nodes per group (--nodes)")
+                f"Add nodes with these resources, allow more nodes per group (--nodes {spread} holds it){elsewhere}"
+                if spread is not None else
+                f"Add nodes with these resources, allow more nodes per group (--nodes){elsewhere}")
         return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "
                 f"{ways}, or lower --tp{cpus}")
     ever = groups_that_fit(node_total, bundle, tp, max_nodes, limit=groups) if groups > 1 else groups
@@ -297,13 +301,26 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
     free_txt = ""
     if node_free is not None:
         free_txt = "; free now: " + "; ".join(f"{n} {_resources(f)}" for n, f in zip(names, node_free))
+    ways = ["Free them", "add nodes"]
+    if groups > 1:  # one group cannot be fewer, and check, bench and compile have no --replicas to lower
+        ways.append("lower --replicas")
     # A cpu rank's default share is its node's whole CPU count / TP: a Ray job's entrypoint holding
     # one CPU (--entrypoint-num-cpus) kept such a group from ever being placed, and the advice named
     # only --replicas, already 1.
-    fewer = (", or give each rank fewer CPUs with --cpus-per-rank (by default a rank takes its node's CPUs / "
-             "TP; inside a Ray job, the job's own --entrypoint-num-cpus holds some)") if set(bundle) == {"CPU"} else ""
+    if set(bundle) == {"CPU"}:
+        ways.append("give each rank fewer CPUs with --cpus-per-rank (by default a rank takes its node's CPUs / "
+                    "TP; inside a Ray job, the job's own --entrypoint-num-cpus holds some)")
     return (f"it needs {need}; the cluster could hold it but other groups or jobs hold those resources "
-            f"(alive nodes: {held}{free_txt}). Free them, add nodes, or lower --replicas{fewer}")
+            f"(alive nodes: {held}{free_txt}). {_one_of(ways)}")
+
+
+_WHERE_NODES_IS_TAKEN = " where the command takes --nodes (check, bench and compile keep a group on one node)"
+"""After a --nodes way out offered where --nodes was left at 1: not every command takes it."""
+
+
+def _one_of(ways: list[str]) -> str:
+    """"a or b", "a, b, or c"."""
+    return f"{ways[0]} or {ways[1]}" if len(ways) == 2 else f"{', '.join(ways[:-1])}, or {ways[-1]}"
 
 
 def _roomiest(count: int, alive: int) -> str:
