@@ -157,6 +157,11 @@ def main() -> None:
     variants = args.variants.split(",")
     if not set(variants) <= set(VARIANTS):
         parser.error(f"--variants {args.variants!r}: each must be one of {', '.join(VARIANTS)}")
+    repeated = [v for i, v in enumerate(variants) if variants.count(v) > 1 and v not in variants[:i]]
+    if repeated:  # the report keys runs by variant: a repeat's runs were pooled into the first one's medians
+        parser.error(f"--variants ({args.variants}) names {', '.join(repeated)} more than once: each variant is "
+                     f"reported under its name, so a repeat's runs were pooled with the first's; give each variant "
+                     f"once (for more samples raise --rounds)")
     if args.child:
         sys.stdout, out = sys.stderr, sys.stdout  # library chatter off the result channel
         out.write(json.dumps(child(args.child, batches, args.new_tokens)) + "\n")

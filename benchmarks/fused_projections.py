@@ -35,20 +35,39 @@ from workers.sampling import SamplingParams  # noqa: E402
 
 PROMPT = [5, 9, 33, 17, 80, 3, 44, 12]
 HEADS = 16
+POSITIONS = 512
+"""The random model's max_position_embeddings (build_random_model's default): prompt plus new tokens."""
+SMALLEST_TOKEN_BUCKET = 64
+"""The compiled variants' token bucket for the default --new-tokens, as it always was."""
+
+
+def token_bucket(new_tokens: int) -> int:
+    """The compiled variants' one token-generation bucket: the smallest power of two from
+    SMALLEST_TOKEN_BUCKET up that holds the prompt and the new tokens, at most POSITIONS (a fixed 64
+    failed any --new-tokens past 56 once the models were built, naming a --seq-len this script lacks)."""
+    bucket = SMALLEST_TOKEN_BUCKET
+    while bucket < len(PROMPT) + new_tokens:
+        bucket *= 2
+    return min(bucket, POSITIONS)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int_at_least("--hidden", 2 * HEADS), default=1024)
     parser.add_argument("--layers", type=int_at_least("--layers", 1), default=4)
-    parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 1), default=48)
+    # two at least: the time per token is the call's over its new tokens, and with one it was the prefill's
+    parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=48)
     parser.add_argument("--blocks", type=int_at_least("--blocks", 1), default=3)
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
     if args.hidden % (2 * HEADS):  # HEADS heads of hidden / HEADS, an even size (rotary embeddings turn pairs)
         parser.error(f"--hidden ({args.hidden}) must be a multiple of {2 * HEADS}, e.g. 1024")
+    if len(PROMPT) + args.new_tokens > POSITIONS:  # before the model is built
+        parser.error(f"--new-tokens ({args.new_tokens}) plus the {len(PROMPT)}-token prompt is past the random "
+                     f"model's {POSITIONS} positions; lower --new-tokens to at most {POSITIONS - len(PROMPT)}")
     hf = build_random_model(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_layers=args.layers,
-                            num_heads=HEADS, num_kv_heads=4, vocab_size=4096, initializer_range=0.05)
+                            num_heads=HEADS, num_kv_heads=4, vocab_size=4096, initializer_range=0.05,
+                            max_position_embeddings=POSITIONS)
     config, weights = ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf)
     del hf
     models = {}
@@ -60,7 +79,7 @@ def main() -> None:
     if not args.no_compile:
         from workers.compiled import CompiledCausalLM
 
-        buckets = Buckets.build(context=[8], token=[64], batch=[1])
+        buckets = Buckets.build(context=[len(PROMPT)], token=[token_bucket(args.new_tokens)], batch=[1])
         for name in ("separate", "fused"):
             models[f"{name}_compiled"] = CompiledCausalLM(models[f"{name}_eager"], buckets)
 

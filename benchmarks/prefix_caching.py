@@ -66,6 +66,130 @@ def question_ids(tokenizer, i: int, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
+def system_message(tokenizer, k: int, prefix_tokens: int) -> dict:
+    """The chat workload's system message: document k."""
+    return {"role": "system", "content": tokenizer.decode(document_ids(tokenizer, k, prefix_tokens))}
+
+
+def question_message(tokenizer, i: int, suffix_tokens: int) -> dict:
+    return {"role": "user", "content": tokenizer.decode(question_ids(tokenizer, i, suffix_tokens))}
+
+
+# ---- the longest request against the servers' context, before any server starts ----------------------
+def last_chat_prompt_tokens(tokenizer, args) -> int | None:
+    """About how many tokens the chat workload's last prompt has: the measured conversation's whole
+    history in the chat template, each earlier answer taken as --max-tokens tokens of text (the
+    server's own answers are that many tokens; their text encoded again may differ by a few). None
+    when the tokenizer has no chat template (the server's own rendering then decides)."""
+    messages = [system_message(tokenizer, 2, args.prefix_tokens)]
+    for t in range(args.turns):
+        if t:
+            answer = tokenizer.decode(question_ids(tokenizer, 1000 + t, args.max_tokens))
+            messages.append({"role": "assistant", "content": answer})
+        messages.append(question_message(tokenizer, t, args.suffix_tokens))
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except ValueError:  # transformers' refusal for a tokenizer without a template
+        return None
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def served_context(serve_args: list[str], model_dir: str) -> dict | None:
+    """What each request to the servers started here may hold, read from --serve-args as `corelaunch
+    serve` reads them: "tokens" (prompt plus new tokens: --seq-len, else serve's default of
+    min(max_position_embeddings, DEFAULT_MAX_SEQ_LEN), never past the model's "positions"),
+    "prompt" (compiled with --max-context-length: the longest prompt its graphs take, else None) and
+    "source" (how "tokens" was found, for messages). None where --serve-args set the context in a way
+    not read here (a --compiled directory, custom buckets) or the model's config cannot be read (the
+    server then says why)."""
+    from launcher.cli import build_parser
+    from shardlib.model_config import load_model_config
+    from shardlib.planner import DEFAULT_MAX_SEQ_LEN
+
+    options, _ = build_parser().subcommand_parsers["serve"].parse_known_args(serve_args)
+    if options.compiled or options.buckets or options.token_buckets or options.context_buckets:
+        return None
+    try:
+        positions = load_model_config(options.model or model_dir).max_position_embeddings
+    except (OSError, ValueError):
+        return None
+    if options.seq_len is not None:
+        tokens, source = min(options.seq_len, positions), f"--seq-len {options.seq_len} in --serve-args"
+    else:
+        tokens = min(positions, DEFAULT_MAX_SEQ_LEN)
+        source = f"serve's default --seq-len: min(the model's {positions} positions, {DEFAULT_MAX_SEQ_LEN})"
+    prompt = options.max_context_length if options.compile else None  # eager prompts run at their lengths
+    return {"tokens": tokens, "positions": positions, "prompt": prompt, "source": source}
+
+
+def _one_of(flags: list[str]) -> str:
+    return f"{', '.join(flags[:-1])} or {flags[-1]}"
+
+
+def context_problem(args, context: dict, chat_prompt: int | None) -> str | None:
+    """Why a workload's longest request does not fit the servers' context, naming the flags to lower;
+    None when every one fits. Each server refused it with a 400, after minutes of start-up, and the
+    run ended in the openai client's traceback with no report."""
+    workloads = [(args.prefix_tokens + args.suffix_tokens,
+                  f"the shared-prefix and burst prompts (--prefix-tokens {args.prefix_tokens} plus --suffix-tokens "
+                  f"{args.suffix_tokens})", ["--prefix-tokens", "--suffix-tokens"])]
+    if chat_prompt is not None:  # the history grows each turn: the last one is the longest
+        workloads.append((chat_prompt, f"the chat workload's last prompt (about {chat_prompt} tokens: the "
+                                       f"--prefix-tokens document, then --turns {args.turns} questions of "
+                                       f"--suffix-tokens with the answers of --max-tokens before it)",
+                          ["--turns", "--prefix-tokens", "--suffix-tokens"]))
+    for prompt, what, flags in workloads:
+        if context["prompt"] is not None and prompt > context["prompt"]:
+            return (f"{what} are {prompt} tokens, past --max-context-length ({context['prompt']}) in --serve-args, "
+                    f"the longest prompt the servers' graphs take; lower {_one_of(flags)}, or raise "
+                    f"--max-context-length")
+        needed = prompt + args.max_tokens
+        if needed > context["tokens"]:
+            longer = (f", or add --seq-len {needed} to --serve-args" if needed <= context["positions"] else
+                      f" (the model holds {context['positions']} positions at most)")
+            return (f"{what} with --max-tokens {args.max_tokens} new tokens need {needed} positions, past the "
+                    f"{context['tokens']} each request to the servers may hold ({context['source']}); lower "
+                    f"{_one_of([*flags, '--max-tokens'])}{longer}")
+    return None
+
+
+# ---- a request the server refused, said in one line ----------------------------------------------------
+class RequestRefused(Exception):
+    """A workload's request drew a 400 (its message names the flags to lower)."""
+
+
+_ONE_DOCUMENT = ("its prompt is --prefix-tokens ({prefix_tokens}) plus --suffix-tokens ({suffix_tokens}) tokens, with "
+                 "--max-tokens ({max_tokens}) new ones: lower them")
+REFUSED_PROMPTS = {
+    "shared-prefix": _ONE_DOCUMENT, "burst": _ONE_DOCUMENT,
+    "chat": "its prompt is the conversation so far (the --prefix-tokens ({prefix_tokens}) document, up to --turns "
+            "({turns}) questions of --suffix-tokens ({suffix_tokens}) and the answers of --max-tokens ({max_tokens})): "
+            "lower --turns (or the others)",
+}
+"""What sizes each workload's prompts, by the name refused_as is given, as a fix for a 400."""
+
+
+def refusal_text(err) -> str:
+    """The server's own message from an openai.BadRequestError, on one line."""
+    body = getattr(err, "body", None)
+    inner = body.get("error", body) if isinstance(body, dict) else None
+    text = inner["message"] if isinstance(inner, dict) and isinstance(inner.get("message"), str) else str(err)
+    return " ".join(text.split())
+
+
+async def refused_as(workload: str, args, request):
+    """Await a workload's requests; a 400 becomes RequestRefused naming the flags that size them
+    (the server's context is unknown here with --base-url; with the servers started here,
+    --serve-args may set it in ways context_problem does not read)."""
+    from openai import BadRequestError
+
+    try:
+        return await request
+    except BadRequestError as err:
+        raise RequestRefused(f"the server refused a {workload} request (HTTP 400: {refusal_text(err)}); "
+                             f"{REFUSED_PROMPTS[workload].format(**vars(args))} to fit the server's context") from None
+
+
 def _text(choice) -> str:
     """A streamed chunk's new text: a completion's `text`, a chat's `delta.content`."""
     delta = getattr(choice, "delta", None)
@@ -125,10 +249,10 @@ async def measure(base_url: str, model: str, api_key: str, tokenizer, args) -> d
                             max_tokens=args.max_tokens) for i in range(requests)]
 
     async def conversation(k: int, turns: int) -> list[dict]:
-        messages = [{"role": "system", "content": tokenizer.decode(document_ids(tokenizer, k, args.prefix_tokens))}]
+        messages = [system_message(tokenizer, k, args.prefix_tokens)]  # as last_chat_prompt_tokens counts it
         records = []
         for t in range(turns):
-            messages.append({"role": "user", "content": tokenizer.decode(question_ids(tokenizer, t, args.suffix_tokens))})
+            messages.append(question_message(tokenizer, t, args.suffix_tokens))
             records.append(await timed(chat, model=model, messages=messages, max_tokens=args.max_tokens))
             messages.append({"role": "assistant", "content": records[-1]["text"]})
         return records
@@ -146,13 +270,13 @@ async def measure(base_url: str, model: str, api_key: str, tokenizer, args) -> d
                 "cached_tokens": None if (cached := cached_counts(records)) is None else sorted(cached)}
 
     # warm-ups: other documents, two requests each (a start and a continuation: their graphs built)
-    await shared_document(999, 2)
-    shared = await shared_document(1, args.requests)
-    await conversation(998, 2)
-    turns = await conversation(2, args.turns)
-    await burst(997)
+    await refused_as("shared-prefix", args, shared_document(999, 2))
+    shared = await refused_as("shared-prefix", args, shared_document(1, args.requests))
+    await refused_as("chat", args, conversation(998, 2))
+    turns = await refused_as("chat", args, conversation(2, args.turns))
+    await refused_as("burst", args, burst(997))
     return {"shared_prefix": summary(shared, args.max_tokens), "chat_turns": summary(turns, args.max_tokens),
-            "burst": await burst(3)}
+            "burst": await refused_as("burst", args, burst(3))}
 
 
 def served_name(base_url: str) -> str:
@@ -219,11 +343,28 @@ def main(out=None) -> dict:
 
     from transformers import AutoTokenizer
 
-    from benchmarks.serving_server import corelaunch_server
     from shardlib.demo_model import ensure_demo_model
 
     model_dir = str(args.model_dir or ensure_demo_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    context = served_context(serve_args, model_dir) if args.base_url is None else None  # another's: unknown
+    problem = context and context_problem(args, context, last_chat_prompt_tokens(tokenizer, args))
+    if problem:  # before either server's minutes of start-up
+        parser.error(problem)
+    try:
+        report = measured_report(args, serve_args, model_dir, tokenizer)
+    except RequestRefused as err:  # a one-line reason, not the openai client's traceback
+        print(f"prefix_caching.py: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(report, indent=1), file=out)
+    return report
+
+
+def measured_report(args, serve_args: list[str], model_dir: str, tokenizer) -> dict:
+    """The report: the server at --base-url measured, or the two servers started here one after the
+    other (each stopped on leaving, a RequestRefused included)."""
+    from benchmarks.serving_server import corelaunch_server
+
     report: dict = {"prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,
                     "max_tokens": args.max_tokens, "requests": args.requests, "turns": args.turns}
     if args.base_url is not None:
@@ -242,7 +383,6 @@ def main(out=None) -> dict:
             for workload in ("shared_prefix", "chat_turns")}
         report["ttft_ratio_without_over_with"]["burst_last"] = round(
             report["no_prefix_caching"]["burst"]["last_ttft_s"] / report["prefix_caching"]["burst"]["last_ttft_s"], 2)
-    print(json.dumps(report, indent=1), file=out)
     return report
 
 

@@ -2,9 +2,11 @@
 
 The 254M random Llama of benchmarks/tp_scaling.py (hidden 1024, 16 layers, 16 heads, 8 KV heads,
 intermediate 2816, vocab 32000, float32) with room for the prompt's positions, built once with
-tests/model_factory.save_random_model. Two ranks, spawned here with a gloo group and the production
-shared-memory collectives (workers/shm), 1 thread each, each loading its own slices from the
-checkpoint as a worker does. Each rank holds one model and runs both variants on it, alternating in
+tests/model_factory.save_random_model and kept for later runs as $TMPDIR/corelaunch-bench-254m-N
+(N: --prompt-len + 64; about 1 GB for each --prompt-len; built in a hidden sibling and renamed into
+place once whole). Two ranks, spawned here with a gloo group and the production shared-memory
+collectives (workers/shm), 1 thread each, each loading its own slices from the checkpoint as a
+worker does. Each rank holds one model and runs both variants on it, alternating in
 `--rounds` rounds (so machine noise over time hits both alike):
 
     plain       a prefill of `--prompt-len` tokens (batch 1), the residual stream whole on every rank
@@ -118,14 +120,27 @@ def _rank_main(rank: int, port: int, args, queue) -> None:
     queue.put((rank, {"samples": samples, "identical_logits": same}))
 
 
-def _model_dir(args) -> str:
+def kept_model_path(prompt_len: int) -> Path:
+    """Where the built-in model for --prompt-len is kept between runs (about 1 GB each)."""
+    return Path(tempfile.gettempdir()) / f"corelaunch-bench-254m-{prompt_len + 64}"
+
+
+def _model_dir(parser: argparse.ArgumentParser, args) -> str:
+    """--model-dir, else the 254M random Llama kept for this --prompt-len: built once, into a hidden
+    sibling renamed into place when complete; a folder there that is not a whole model (left by an
+    interrupted build of an earlier version, which wrote in place) is refused before the ranks start,
+    where each rank failed on its missing weights."""
     if args.model_dir:
         return args.model_dir
-    from benchmarks.tp_scaling import save_random_254m
+    from benchmarks.tp_scaling import build_random_254m_in_place, builds_here, saved_model_problem
 
-    path = Path(tempfile.gettempdir()) / f"corelaunch-bench-254m-{args.prompt_len + 64}"
-    if not (path / "config.json").exists():
-        save_random_254m(path, max_position_embeddings=args.prompt_len + 64)
+    path = kept_model_path(args.prompt_len)
+    if builds_here(path):
+        build_random_254m_in_place(path, max_position_embeddings=args.prompt_len + 64)
+    problem = saved_model_problem(path)
+    if problem:
+        parser.error(f"the benchmark's kept model is incomplete: {problem} (a build of it was interrupted); "
+                     f"remove it (rm -r {path}) and run again to build it anew, or pass --model-dir")
     return str(path)
 
 
@@ -142,7 +157,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=model_folder("--model-dir"), help="a saved model (default: the 254M random Llama, built once)")
     parser.add_argument("--timeout-s", type=positive_seconds("--timeout-s"), default=1800)
     args = parser.parse_args()
-    args.model_dir = _model_dir(args)
+    args.model_dir = _model_dir(parser, args)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by the spawned ranks' C library at start
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()

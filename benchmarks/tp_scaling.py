@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import select
 import statistics
@@ -47,6 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,6 +67,86 @@ def save_random_254m(path: Path, max_position_embeddings: int | None = None) -> 
     positions = max(SHAPE["max_position_embeddings"], max_position_embeddings or 0)
     save_random_model(Path(path), **dict(SHAPE, max_position_embeddings=positions))
     return Path(path)
+
+
+def saved_model_problem(path: Path) -> str | None:
+    """Why the folder at path is no complete saved model, or None. save_pretrained writes config.json
+    before the weights, so a build interrupted there (Ctrl-C, a full disk, a kill) left a folder
+    that looked like a model to a check of config.json alone; every later run reused it and its
+    ranks failed on the missing weights. A truncated safetensors file is caught by its header."""
+    from shardlib.checkpoint_files import preferred_file, safetensors_header
+
+    if not (path / "config.json").is_file():
+        return f"{path} holds no config.json"
+    found = preferred_file(path)
+    if found is None:
+        return f"{path} holds a config.json but no weights"
+    fmt, weights = found
+    if fmt == "safetensors" and not weights.name.endswith(".index.json"):
+        try:
+            safetensors_header(weights)
+        except ValueError as err:
+            return str(err)
+    return None
+
+
+def builds_here(path: Path) -> bool:
+    """Whether the model is to be built at path: nothing there yet, or an empty folder."""
+    return not path.exists() or (path.is_dir() and not path.is_symlink() and not any(path.iterdir()))
+
+
+def build_in_place(path: Path, build: Callable[[Path], object]) -> Path:
+    """build(folder) into a hidden sibling of path, renamed to path once complete (as `corelaunch
+    quantize` writes its copy): an interrupted build leaves only the sibling, which the next build
+    sweeps once its writer is gone, never a half-built folder at path. An empty folder at path (the
+    temporary one made for it) is replaced."""
+    import shutil
+
+    from shardlib.atomic_dir import make_parents, owned_sibling, rename_no_replace, sweep_stale
+
+    path = Path(path)
+    sweep_stale(path)  # the siblings of builds that were killed (no clean-up ran): the model's size each
+    partial = owned_sibling(path, "partial")
+    make_parents(path)
+    try:
+        build(partial)
+        if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            path.rmdir()
+        if not rename_no_replace(partial, path):  # a file system without it: rename(2) as it can
+            partial.rename(path)
+    except FileExistsError:  # another run built it meanwhile: theirs serves as well
+        shutil.rmtree(partial, ignore_errors=True)
+        if saved_model_problem(path) is not None:
+            raise
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return path
+
+
+def build_random_254m_in_place(path: Path, max_position_embeddings: int | None = None) -> Path:
+    """save_random_254m, through build_in_place."""
+    return build_in_place(path, lambda folder: save_random_254m(folder, max_position_embeddings))
+
+
+def model_description(model_dir: str) -> dict:
+    """The report's "model": the shape, parameter count and dtype of the model the variants ran,
+    read from its config.json (SHAPE's figures were reported for any --model-dir's model)."""
+    from shardlib.model_config import load_model_config
+    from shardlib.param_shapes import expected_shapes
+
+    config = load_model_config(model_dir)
+    params = sum(math.prod(shape) for shape in expected_shapes(config).values())
+    return {"params_millions": round(params / 1e6, 1), "hidden_size": config.hidden_size,
+            "num_layers": config.num_hidden_layers, "num_heads": config.num_attention_heads,
+            "num_kv_heads": config.num_key_value_heads, "intermediate_size": config.intermediate_size,
+            "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings,
+            "dtype": config.torch_dtype}
+
+
+def repeated_names(names: list[str]) -> list[str]:
+    """The names given more than once, in order of first appearance."""
+    return [name for i, name in enumerate(names) if names.count(name) > 1 and name not in names[:i]]
 
 
 def model_positions(model_dir: str | None) -> int:
@@ -242,20 +324,31 @@ def main(out=None) -> None:
     if unknown or not variants:  # before the 1 GB model is built
         parser.error(f"--variants ({args.variants!r}): unknown variants {unknown} or none; choose one or more "
                      f"from {', '.join(VARIANTS)}")
+    repeated = repeated_names(variants)
+    if repeated:  # results are keyed by variant: a repeat pooled its runs into the first one's median
+        parser.error(f"--variants ({args.variants}) names {', '.join(repeated)} more than once: each variant is "
+                     f"reported under its name, so a repeat's runs were pooled with the first's; give each variant "
+                     f"once (for more samples raise --runs or --rounds)")
     positions = model_positions(args.model_dir)
     if len(PROMPT) + args.new_tokens > positions:  # before the model is built and any variant starts
         parser.error(f"--new-tokens ({args.new_tokens}) plus the {len(PROMPT)}-token prompt needs "
                      f"{len(PROMPT) + args.new_tokens} positions, but the model has {positions}; lower --new-tokens "
                      f"to at most {positions - len(PROMPT)}")
+    if args.model_dir is not None and not builds_here(Path(args.model_dir)):
+        problem = saved_model_problem(Path(args.model_dir))
+        if problem:  # before any variant starts: each one failed on it, after the bandwidth pass
+            parser.error(f"--model-dir: {problem}; pass a complete model folder, or a new or empty one to build "
+                         f"the benchmark's model in (a half-built one, left by an interrupted build: remove it)")
     tmp = None
     model_dir = args.model_dir
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="corelaunch-tp-scaling-")
         model_dir = tmp.name
-    if not (Path(model_dir) / "config.json").is_file():
+    if builds_here(Path(model_dir)):
         start = time.perf_counter()
-        save_random_254m(Path(model_dir))
+        build_random_254m_in_place(Path(model_dir))
         print(f"built the model in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    model = model_description(model_dir)  # before the temporary folder is removed
 
     samples: dict[str, list[dict]] = {v: [] for v in variants}
     infos: dict[str, dict] = {}
@@ -295,7 +388,7 @@ def main(out=None) -> None:
         if a in rate and b in rate:
             ratios[f"{a}_over_{b}"] = round(rate[a] / rate[b], 3)
     report = {
-        "model": {"params_millions": 254, **SHAPE, "dtype": "float32"}, "batch": 1,
+        "model": {**model, **({"dir": args.model_dir} if args.model_dir else {})}, "batch": 1,
         "prompt_tokens": len(PROMPT), "new_tokens": args.new_tokens, "rounds": args.rounds,
         "runs_per_round": args.runs,
         "results": results, "ratios": ratios,

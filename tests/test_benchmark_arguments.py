@@ -63,8 +63,8 @@ REFUSED = [
     ("sequence_parallel", ["--timeout-s", "0", "--model-dir", "/proc/no-such-model"],
      "--timeout-s (0) must be a finite number of seconds above 0"),
     ("fused_projections", ["--new-tokens", "0", "--hidden", "32", "--layers", "1", "--blocks", "1", "--no-compile"],
-     "--new-tokens (0) must be at least 1"),
-    ("fused_projections", ["--hidden", "48", "--layers", "1", "--new-tokens", "1", "--blocks", "1", "--no-compile"],
+     "--new-tokens (0) must be at least 2"),
+    ("fused_projections", ["--hidden", "48", "--layers", "1", "--new-tokens", "2", "--blocks", "1", "--no-compile"],
      "--hidden (48) must be a multiple of 32"),
     ("decode_attention", ["--threads", "0"], "--threads (0) must be at least 1"),
     ("small_linear_blocks", ["--threads", "0"], "--threads (0) must be at least 1"),
@@ -280,7 +280,8 @@ def models_server(ids: list[str]):
     answers): yields its /v1 URL."""
     import http.server
     import json
-    import threading
+
+    from tests.local_http import serving
 
     class Models(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
@@ -295,13 +296,8 @@ def models_server(ids: list[str]):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Models) as url:
+        yield url
 
 
 class PastTheCheck(Exception):

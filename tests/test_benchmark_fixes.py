@@ -101,6 +101,8 @@ def test_tp_scaling_reads_each_variants_replies_from_its_own_process(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["results"]["transformers"]["all_runs"] and report["tokens_reference"] == "transformers"
+    # the model it ran, not the built-in one's shape (hidden 1024, 254M parameters)
+    assert report["model"]["hidden_size"] == 64 and report["model"]["vocab_size"] == 32000
 
 
 def test_tokenizer_lock_reports_a_run_whose_bulk_call_ended_before_any_wait(monkeypatch):
