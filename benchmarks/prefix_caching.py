@@ -102,11 +102,10 @@ def served_context(serve_args: list[str], model_dir: str) -> dict | None:
     "source" (how "tokens" was found, for messages). None where --serve-args set the context in a way
     not read here (a --compiled directory, custom buckets) or the model's config cannot be read (the
     server then says why)."""
-    from launcher.cli import build_parser
     from shardlib.model_config import load_model_config
     from shardlib.planner import DEFAULT_MAX_SEQ_LEN
 
-    options, _ = build_parser().subcommand_parsers["serve"].parse_known_args(serve_args)
+    options = serve_options(serve_args)
     if options.compiled or options.buckets or options.token_buckets or options.context_buckets:
         return None
     try:
@@ -119,7 +118,21 @@ def served_context(serve_args: list[str], model_dir: str) -> dict | None:
         tokens = min(positions, DEFAULT_MAX_SEQ_LEN)
         source = f"serve's default --seq-len: min(the model's {positions} positions, {DEFAULT_MAX_SEQ_LEN})"
     prompt = options.max_context_length if options.compile else None  # eager prompts run at their lengths
-    return {"tokens": tokens, "positions": positions, "prompt": prompt, "source": source}
+    # the chat prompt is counted with --model-dir's tokenizer and its own template: another model's
+    # tokenizer or a --chat-template renders the same messages to another length (a count past the
+    # context refused a run each request of which fitted); the server's 400 says so then
+    same_rendering = options.chat_template is None and (
+        options.model is None or Path(options.model).resolve() == Path(model_dir).resolve())
+    return {"tokens": tokens, "positions": positions, "prompt": prompt, "source": source,
+            "seq_len_given": options.seq_len is not None, "chat_counted": same_rendering}
+
+
+def serve_options(serve_args: list[str]) -> argparse.Namespace:
+    """--serve-args read by `corelaunch serve`'s own parser (`--model=PATH` as well as `--model PATH`)."""
+    from launcher.cli import build_parser
+
+    options, _ = build_parser().subcommand_parsers["serve"].parse_known_args(serve_args)
+    return options
 
 
 def _one_of(flags: list[str]) -> str:
@@ -145,7 +158,9 @@ def context_problem(args, context: dict, chat_prompt: int | None) -> str | None:
                     f"--max-context-length")
         needed = prompt + args.max_tokens
         if needed > context["tokens"]:
-            longer = (f", or add --seq-len {needed} to --serve-args" if needed <= context["positions"] else
+            way = (f"raise --seq-len in --serve-args to {needed}" if context["seq_len_given"] else
+                   f"add --seq-len {needed} to --serve-args")
+            longer = (f", or {way}" if needed <= context["positions"] else
                       f" (the model holds {context['positions']} positions at most)")
             return (f"{what} with --max-tokens {args.max_tokens} new tokens need {needed} positions, past the "
                     f"{context['tokens']} each request to the servers may hold ({context['source']}); lower "
@@ -186,8 +201,21 @@ async def refused_as(workload: str, args, request):
     try:
         return await request
     except BadRequestError as err:
-        raise RequestRefused(f"the server refused a {workload} request (HTTP 400: {refusal_text(err)}); "
-                             f"{REFUSED_PROMPTS[workload].format(**vars(args))} to fit the server's context") from None
+        said = refusal_text(err)
+        # the flags size the prompts: advice for a refusal of their length alone (a model without a
+        # chat template was told to lower --turns)
+        fix = (f"; {REFUSED_PROMPTS[workload].format(**vars(args))} to fit the server's context"
+               if past_the_context(err, said) else "")
+        raise RequestRefused(f"the server refused a {workload} request (HTTP 400: {said}){fix}") from None
+
+
+def past_the_context(err, said: str) -> bool:
+    """Whether a 400 refused a request for its length: corelaunch's code for it, or another
+    server's message naming the context."""
+    body = getattr(err, "body", None)
+    inner = body.get("error", body) if isinstance(body, dict) else None
+    code = inner.get("code") if isinstance(inner, dict) else None
+    return code == "context_length_exceeded" or "context" in said.lower()
 
 
 def _text(choice) -> str:
@@ -339,20 +367,23 @@ def main(out=None) -> dict:
     args.server_timeout = SERVER_TIMEOUT_S if args.server_timeout is None else args.server_timeout
     if "--no-prefix-caching" in serve_args:
         parser.error("--serve-args: leave --no-prefix-caching out (the first server gets it, the second not)")
-    check_model_dir(parser, args.model_dir, served=args.base_url is None and "--model" not in serve_args)
+    own_model = args.base_url is None and serve_options(serve_args).model is None
+    check_model_dir(parser, args.model_dir, served=own_model)
 
     from transformers import AutoTokenizer
 
     from shardlib.demo_model import ensure_demo_model
 
-    model_dir = str(args.model_dir or ensure_demo_model())
+    # absolute: the servers start in the repository's root, not in this folder
+    model_dir = str(Path(args.model_dir).resolve()) if args.model_dir else str(ensure_demo_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     context = served_context(serve_args, model_dir) if args.base_url is None else None  # another's: unknown
-    problem = context and context_problem(args, context, last_chat_prompt_tokens(tokenizer, args))
+    chat_prompt = last_chat_prompt_tokens(tokenizer, args) if context and context["chat_counted"] else None
+    problem = context and context_problem(args, context, chat_prompt)
     if problem:  # before either server's minutes of start-up
         parser.error(problem)
     try:
-        report = measured_report(args, serve_args, model_dir, tokenizer)
+        report = measured_report(args, serve_args, model_dir if own_model else None, tokenizer)
     except RequestRefused as err:  # a one-line reason, not the openai client's traceback
         print(f"prefix_caching.py: {err}", file=sys.stderr)
         sys.exit(2)
@@ -360,9 +391,10 @@ def main(out=None) -> dict:
     return report
 
 
-def measured_report(args, serve_args: list[str], model_dir: str, tokenizer) -> dict:
+def measured_report(args, serve_args: list[str], model_dir: str | None, tokenizer) -> dict:
     """The report: the server at --base-url measured, or the two servers started here one after the
-    other (each stopped on leaving, a RequestRefused included)."""
+    other (each stopped on leaving, a RequestRefused included), given `model_dir` where --serve-args
+    names no --model."""
     from benchmarks.serving_server import corelaunch_server
 
     report: dict = {"prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,
@@ -372,7 +404,7 @@ def measured_report(args, serve_args: list[str], model_dir: str, tokenizer) -> d
                             **asyncio.run(measure(args.base_url, args.model, args.api_key, tokenizer, args))}
     else:
         for name, extra in (("no_prefix_caching", ["--no-prefix-caching"]), ("prefix_caching", [])):
-            command = [*serve_args, *extra] + ([] if "--model" in serve_args else ["--model", model_dir])
+            command = [*serve_args, *extra] + ([] if model_dir is None else ["--model", model_dir])
             with corelaunch_server(command, args.server_timeout) as (base_url, _):
                 served = served_name(base_url)
                 report[name] = {"serve_args": command, "model": served, **asyncio.run(

@@ -113,7 +113,7 @@ def build_in_place(path: Path, build: Callable[[Path], object]) -> Path:
         if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
             path.rmdir()
         if not rename_no_replace(partial, path):  # a file system without it: rename(2) as it can
-            partial.rename(path)
+            _rename_onto_empty(partial, path)
     except FileExistsError:  # another run built it meanwhile: theirs serves as well
         shutil.rmtree(partial, ignore_errors=True)
         if saved_model_problem(path) is not None:
@@ -122,6 +122,19 @@ def build_in_place(path: Path, build: Callable[[Path], object]) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return path
+
+
+def _rename_onto_empty(partial: Path, path: Path) -> None:
+    """rename(2) of the built folder onto path, which replaces only an empty folder: one another run
+    filled meanwhile is its ENOTEMPTY (or EEXIST), raised as the FileExistsError the caller reads."""
+    import errno
+
+    try:
+        partial.rename(path)
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise FileExistsError(err.errno, err.strerror, str(path)) from err
+        raise
 
 
 def build_random_254m_in_place(path: Path, max_position_embeddings: int | None = None) -> Path:

@@ -79,6 +79,18 @@ def test_prefix_caching_counts_the_chat_history_that_grows_each_turn(monkeypatch
     assert "--turns 40 questions of --suffix-tokens" in err
     assert "lower --turns, --prefix-tokens, --suffix-tokens or --max-tokens, or add --seq-len" in err
     assert run_main(prefix_caching, argv[:2] + ["--turns", "4"] + argv[4:], monkeypatch) == "past the check"
+    # a --chat-template (or another --model) renders the messages to another length: not counted here
+    # (the count refused runs each request of which fitted), left to the server's 400
+    templated = ["--serve-args", "--tp 1 --no-compile --chat-template '{{ messages[0].content }}'", *argv]
+    assert run_main(prefix_caching, templated, monkeypatch) == "past the check"
+
+
+def test_prefix_caching_says_to_raise_a_seq_len_it_was_given(monkeypatch, capsys):
+    """"add --seq-len N to --serve-args" read as a second --seq-len beside the one given."""
+    prefix_caching = _prefix_caching(monkeypatch)
+    argv = ["--serve-args", "--tp 1 --no-compile --seq-len 1000", "--prefix-tokens", "1024", "--turns", "2"]
+    assert run_main(prefix_caching, argv, monkeypatch) == 2
+    assert "or raise --seq-len in --serve-args to 1072" in capsys.readouterr().err
 
 
 def test_prefix_caching_refuses_a_prompt_past_a_compiled_servers_longest_prefill(monkeypatch, capsys):
@@ -92,15 +104,16 @@ def test_prefix_caching_refuses_a_prompt_past_a_compiled_servers_longest_prefill
                     monkeypatch) == "past the check"
 
 
+CONTEXT_REFUSAL = {"message": "the prompt has 4132 tokens and the context holds 4096, leaving no room for a generated "
+                              "token; shorten the prompt", "type": "BadRequestError", "param": "prompt",
+                   "code": "context_length_exceeded"}
+
+
 @contextlib.contextmanager
-def refusing_server(refused_path: str):
+def refusing_server(refused_path: str, refusal: dict = CONTEXT_REFUSAL):
     """A tiny OpenAI-compatible server in this process: GET /v1/models lists "m"; a POST to
     refused_path draws the 400 a corelaunch server sends for a prompt past its context, any other
     POST streams `max_tokens` one-token chunks and the usage. Yields its /v1 URL."""
-    refusal = {"error": {"message": "the prompt has 4132 tokens and the context holds 4096, leaving no room for "
-                                    "a generated token; shorten the prompt", "type": "BadRequestError",
-                         "param": "prompt", "code": "context_length_exceeded"}}
-
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
             self._send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode())
@@ -108,7 +121,7 @@ def refusing_server(refused_path: str):
         def do_POST(self):  # noqa: N802
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path == refused_path:
-                self._send(400, json.dumps(refusal).encode())
+                self._send(400, json.dumps({"error": refusal}).encode())
                 return
             chat = self.path.endswith("/chat/completions")
             head = {"id": "x", "created": 0, "model": "m",
@@ -158,6 +171,22 @@ def test_prefix_caching_says_in_one_line_which_flags_to_lower_when_another_serve
                            f"4132 tokens and the context holds 4096, leaving no room for a generated token; shorten "
                            f"the prompt); ")
     assert advice in line
+
+
+def test_prefix_caching_gives_no_context_advice_for_another_refusal(monkeypatch, capsys):
+    """A model without a chat template drew "lower --turns (or the others) to fit the server's
+    context"; the server's own message is the way out."""
+    from benchmarks import prefix_caching
+
+    refusal = {"message": "model 'm' has no chat template; send a text as prompt instead", "type": "BadRequestError",
+               "param": "messages", "code": None}
+    argv = ["--model", "m", "--prefix-tokens", "16", "--suffix-tokens", "1", "--requests", "2", "--turns", "2",
+            "--burst", "2", "--max-tokens", "2"]
+    with refusing_server("/v1/chat/completions", refusal) as url:
+        assert run_main(prefix_caching, ["--base-url", url, *argv], monkeypatch) == 2
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prefix_caching.py: ")]
+    assert line == ("prefix_caching.py: the server refused a chat request (HTTP 400: model 'm' has no chat template; "
+                    "send a text as prompt instead)")
 
 
 # ---- fused_projections.py: its token bucket and its per-token time ---------------------------------------
@@ -239,6 +268,22 @@ def test_a_build_interrupted_part_way_leaves_nothing_at_the_models_path(tmp_path
     target.mkdir()  # an empty folder (tp_scaling's temporary one) is taken over
     build_in_place(target, save_random_model)
     assert saved_model_problem(target) is None and sorted(tmp_path.iterdir()) == [target]
+
+
+def test_a_model_another_run_finished_first_is_read_as_theirs_where_rename_replaces_empty_folders_only(tmp_path):
+    """rename(2), the fall-back where no rename-without-replacing exists, fails onto a folder another
+    run filled meanwhile with ENOTEMPTY, which the losing build raised instead of taking that model."""
+    from benchmarks.tp_scaling import _rename_onto_empty
+
+    built, theirs = tmp_path / "built", tmp_path / "model"
+    built.mkdir()
+    theirs.mkdir()
+    (theirs / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError):
+        _rename_onto_empty(built, theirs)
+    (theirs / "config.json").unlink()  # an empty folder is replaced
+    _rename_onto_empty(built, theirs)
+    assert not built.exists() and theirs.is_dir()
 
 
 def test_tp_scaling_refuses_a_half_built_model_dir_before_any_variant(tmp_path, monkeypatch, capsys):

@@ -102,6 +102,8 @@ def test_leftover_arguments_are_named_with_their_values(capsys):
                                   ("check", ["--nodes", "2", "--replicas", "1"], "--nodes 2 --replicas 1"),
                                   ("check", ["a prompt", "--bogus", "-5"], "--bogus -5"),
                                   ("generate", ["--bogus", "7"], "--bogus 7"),
+                                  # the stray B is the last (argparse took the first run as prompts)
+                                  ("generate", ["--bogus", "B", "A", "--max-new-tokens", "4", "B"], "--bogus B A B"),
                                   ("bench", ["--bogus", "7"], "--bogus 7")):
         with pytest.raises(SystemExit) as exit_:
             main([command, *words])
@@ -112,6 +114,11 @@ def test_leftover_arguments_are_named_with_their_values(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "A", "--max-new-tokens", "4", "B"])
     assert "unrecognized arguments: B; prompts go together" in capsys.readouterr().err
+    # a negative number is a value to argparse (taken as a prompt here), not a prompt starting with '-'
+    with pytest.raises(SystemExit):
+        main(["generate", "--bogus", "-.5"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --bogus -.5 (see" in err and "--prompt=" not in err, err
     # prompts as before: before the options, or after them and `--` (a prompt that starts with a dash)
     assert build_parser().parse_args(["check", "one", "two", "--tp", "1"]).prompts == ["one", "two"]
     assert build_parser().parse_args(["check", "--tp", "1", "--", "one", "--two"]).prompts == ["one", "--two"]

@@ -14,7 +14,7 @@ import os
 import shlex
 import sys
 
-from launcher.cli.leftovers import named_with_their_values
+from launcher.cli.leftovers import named_with_their_values, option_like
 
 # subcommand name -> module implementing it
 SUBCOMMANDS = {
@@ -48,8 +48,8 @@ def _dashed_prompt_hint(prog: str, words: list[str], message: str) -> str:
     if prog != "corelaunch generate":
         return ""
     before = words[:words.index("--")] if "--" in words else words
-    dashed = next((word for word in before if word.startswith("-") and word not in ("-", "-h")
-                   and not word[1:2].isdigit() and (not word.startswith("--") or any(c.isspace() for c in word))
+    dashed = next((word for word in before if option_like(word) and word != "-h"
+                   and (not word.startswith("--") or any(c.isspace() for c in word))
                    and (f" {word}" in message or f"explicit argument {word[2:]!r}" in message)),
                   None)
     if dashed is None:
