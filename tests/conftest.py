@@ -47,7 +47,7 @@ EXCLUSIVE_MARK_TEXT = "mark.exclusive"
 
 
 def pytest_ignore_collect(collection_path, config):
-    """The test command's second step (`-m exclusive`) runs 19 cases from a few files, but
+    """The test command's second step (`-m exclusive`) runs 13 cases from a few files, but
     collecting every file (importing each, transformers' and Ray's modules with them) took 16 s of
     it, run alone: files that never name the mark are not collected for it."""
     if config.option.markexpr != "exclusive" or not collection_path.name.startswith("test_"):

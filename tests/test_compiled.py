@@ -1,7 +1,7 @@
 """Compiled graphs (workers/compiled.py) against eager execution: identical greedy tokens.
 
 TP 1 runs in this process for every bucket: each context-encoding and token-generation bucket at
-two batch buckets, prompts padded on both ends, plus a batch that needs filler rows. TP 2 and 3 run
+two batch buckets, prompts padded on both ends, plus a batch that needs filler rows. TP 3 runs
 through the Launcher (real Ray worker processes, the CPU backend's collectives as operators inside
 the compiled graphs; marked slow). torch.compile is slow (the first graph of a process takes ~15 s on 2 cores, later ones
 ~4 s; inductor's cache makes reruns faster), so the models are tiny and the shapes few.
@@ -109,51 +109,52 @@ def test_unknown_granularity_is_refused():
         CompiledCausalLM(eager_model(), BUCKETS, granularity="graph")
 
 
-TP_MODELS = {  # tp degree: build_random_model arguments that split at that degree
-    2: dict(seed=3),
-    3: dict(seed=3, hidden_size=48, num_heads=6, num_kv_heads=3, vocab_size=130, intermediate_size=100,
-            tie_word_embeddings=True),
-}
-# What each degree runs: (context buckets, continuous batches, static batch or None). Each shape is
-# a cold compile of ~10 s a rank on two cores (the rank that waits for another's compile still
-# traces it), so both degrees run one batch of both prompts at one context bucket: both first
-# chunks in one prefill call and a decode of two rows. TP 2 adds the static engine's two graphs
-# (the same code at every degree). Every bucket and batch shape, and a prompt alone, are the
-# in-process TP 1 tests above: the bucket code does not depend on the degree. The continuous batch's
-# prompts fill their bucket (16 and 15 of 16 tokens): a call padded by a fifth or more runs eagerly.
+TP = 3
+TP_MODEL = dict(seed=3, hidden_size=48, num_heads=6, num_kv_heads=3, vocab_size=130, intermediate_size=100,
+                tie_word_embeddings=True)  # splits at TP 3: 2 query heads and 1 KV head a rank
+# One Ray group at an odd degree (3 ranks on two cores) runs both engines: each cold shape costs ~10 s
+# a rank on two cores (the rank that waits for another's compile still traces it), and a second group
+# at TP 2 took about a minute more to prove again compiled graphs with collectives inside them.
+# Compiled TP 2 through Ray stays covered elsewhere: tests/test_check_bench_cli.py's
+# test_check_passes_token_and_logit_matching_against_transformers_at_tp2[ray] (compiled logits against
+# transformers), tests/test_compile_message_e2e.py (a cold compile at TP 2, tokens against eager) and
+# tests/test_sequence_parallel.py's test_compiled_ray_group_with_split_prefills_gives_the_transformers_tokens.
+# The continuous batch: both prompts at one context bucket, both first chunks in one prefill call
+# and a decode of two rows, the prompts filling their bucket (16 and 15 of 16 tokens: a call padded
+# by a fifth or more runs eagerly). The static batch adds the static engine's two graphs. Every
+# bucket and batch shape, and a prompt alone, are the in-process TP 1 tests above: the bucket code
+# does not depend on the degree.
 FULL = [SHORT + LONG, LONG + [1, 2, 3, 4]]
-TP_RUNS = {2: ((16,), [FULL], [SHORT, LONG]), 3: ((16,), [FULL], None)}
+CONTEXT_BUCKETS, CONTINUOUS_BATCHES, STATIC_BATCH = (16,), [FULL], [SHORT, LONG]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 3])
-def test_tp_compiled_equals_eager_through_ray(ray_session, tmp_path, tp):
-    """One compiled launch per degree, against TP 1 eager at exact shapes computed in this process
-    (an eager Ray launch as well would only repeat tests/test_launcher_generate.py's eager cases)."""
+def test_tp_compiled_equals_eager_through_ray(ray_session, tmp_path):
+    """One compiled launch at TP 3, serving and static engines, against TP 1 eager at exact shapes
+    computed in this process (an eager Ray launch as well would only repeat
+    tests/test_launcher_generate.py's eager cases)."""
     from launcher.api import Launcher
 
-    hf = build_random_model("llama", **TP_MODELS[tp])
+    hf = build_random_model("llama", **TP_MODEL)
     model_dir = save_model(hf, tmp_path / "model")
-    context_buckets, batches, static_batch = TP_RUNS[tp]
     tp1 = build_rank_model(ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf), 0, 1, SingleRank())
     # rendezvous_timeout_s: the ranks' join is not this test's subject, and beside another test's
     # start-up (two at a time on two cores) a third rank importing torch missed the default 30 s once
-    with Launcher(model=str(model_dir), tp=tp, context_buckets=context_buckets, token_buckets=(32,), max_batch_size=2,
-                  rendezvous_timeout_s=120, progress=False) as launcher:
+    with Launcher(model=str(model_dir), tp=TP, context_buckets=CONTEXT_BUCKETS, token_buckets=(32,),
+                  max_batch_size=2, rendezvous_timeout_s=120, progress=False) as launcher:
         assert launcher.config.compile  # the default
         compiled = [[r.token_ids for r in launcher.generate(batch, max_new_tokens=NEW, ignore_eos=True)]
-                    for batch in batches]
-        if static_batch is not None:
-            static = [r.token_ids for r in launcher.generate(static_batch, max_new_tokens=NEW, ignore_eos=True,
-                                                             batching="static")]
-            assert static == tokens(tp1, static_batch)
+                    for batch in CONTINUOUS_BATCHES]
+        static = [r.token_ids for r in launcher.generate(STATIC_BATCH, max_new_tokens=NEW, ignore_eos=True,
+                                                         batching="static")]
         stats = [s.compile for s in launcher.load_stats]
         [(_, rank0)] = launcher.compile_stats()  # rank 0's graphs as they are after the requests
-    assert len(stats) == tp and None not in stats  # every rank runs compiled graphs
+    assert len(stats) == TP and None not in stats  # every rank runs compiled graphs
     # every prompt fits one chunk: prefills are first chunks, reading only their own slots
-    phases = {"serve-prefill-start", "serve-decode"} | ({"context", "token"} if static_batch is not None else set())
+    phases = {"serve-prefill-start", "serve-decode", "context", "token"}  # both engines' graphs
     assert {g["phase"] for g in rank0["graphs"]} == phases  # the requests ran through them
-    assert compiled == [tokens(tp1, batch) for batch in batches]
+    assert compiled == [tokens(tp1, batch) for batch in CONTINUOUS_BATCHES]
+    assert static == tokens(tp1, STATIC_BATCH)
 
 
 def test_a_warmed_up_prefill_graph_serves_every_cache_bucket():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.test_compile_cli import eager_tokens, model_dir  # noqa: F401 - model_dir: the tiny model with a tokenizer
+from tests.model_factory import build_random_model, save_model
+from tests.test_compile_cli import VOCAB, eager_tokens, model_dir, save_word_tokenizer  # noqa: F401 - model_dir: the tiny model with a tokenizer
 
 # exclusive: these watch the host's processes and /dev/shm, and time Ctrl-C to under 3 s
 pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
@@ -71,12 +73,48 @@ def test_a_private_ray_of_another_program_is_never_joined():
         other.wait(60)
 
 
-def generate_command(*prompts: str, new_tokens: int, tp: int = 1, model: Path | None = None,
-                     quiet: bool = True) -> list[str]:
-    """model: None for the built-in SmolLM2."""
-    chosen = [] if model is None else ["--model", str(model)]
-    return [sys.executable, "-m", "launcher", "generate", *chosen, "--no-compile", "--seq-len", "512", "--tp", str(tp),
-            "--max-new-tokens", str(new_tokens), *(["--quiet"] if quiet else []), *prompts]
+def generate_command(*prompts: str, new_tokens: int, model: Path, tp: int = 1, quiet: bool = True,
+                     seq_len: int = 512, extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "launcher", "generate", "--model", str(model), "--no-compile", "--seq-len",
+            str(seq_len), "--tp", str(tp), "--max-new-tokens", str(new_tokens), *extra,
+            *(["--quiet"] if quiet else []), *prompts]
+
+
+LONG_RUN_POSITIONS = 8192
+LONG_RUN_TOKENS = LONG_RUN_POSITIONS - 64
+"""New tokens a prompt is asked for where a signal must land while it generates, all of them
+(--min-tokens holds back the end-of-sequence token): thousands of decode steps, far longer than the
+1.5 s the tests wait after start-up ends, even for the tiny model (SmolLM2's 400 tokens took longer)."""
+
+
+@pytest.fixture(scope="module")
+def long_run_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with the word tokenizer ("t0" .. "t127") for the signal tests: SmolLM2,
+    which they loaded before, took 14-21 s a test to load in every rank, and what they check (the
+    exit, its time, nothing left) does not depend on the model. One layer; 6 query and 3 KV heads
+    split at TP 1 and 3; positions for LONG_RUN_TOKENS."""
+    path = save_model(build_random_model("llama", seed=3, vocab_size=VOCAB, num_layers=1, hidden_size=48,
+                                         num_heads=6, num_kv_heads=3, intermediate_size=96,
+                                         max_position_embeddings=LONG_RUN_POSITIONS),
+                      tmp_path_factory.mktemp("long-run"))
+    save_word_tokenizer(path)
+    return path
+
+
+def long_generate_command(model: Path, *prompts: str, tp: int = 1) -> list[str]:
+    """generate of LONG_RUN_TOKENS a prompt, with progress lines (they say when start-up ends)."""
+    return generate_command(*prompts, new_tokens=LONG_RUN_TOKENS, model=model, tp=tp, quiet=False,
+                            seq_len=LONG_RUN_POSITIONS, extra=("--min-tokens", str(LONG_RUN_TOKENS)))
+
+
+ANSWER_FIGURES = re.compile(r"^  \[\w+, \d+ tokens, first token", re.MULTILINE)
+"""The line generate writes to stderr after each answer (not --quiet)."""
+
+
+def assert_signalled_while_generating(err: str) -> None:
+    """The command was still generating when the signal came: no answer was printed (a signal
+    during the shutdown that follows the answer would be another phase)."""
+    assert not ANSWER_FIGURES.search(err), f"the generation had ended before the signal:\n{err[-3000:]}"
 
 
 def test_two_launches_at_once_on_one_host_both_succeed(model_dir):  # noqa: F811
@@ -166,15 +204,16 @@ def assert_nothing_left(sid: int, segments_before: set[str]) -> None:
     assert set(glob.glob("/dev/shm/corelaunch-*")) <= segments_before
 
 
-def test_ctrl_c_during_generate_returns_within_seconds_and_leaves_nothing_behind():
+def test_ctrl_c_during_generate_returns_within_seconds_and_leaves_nothing_behind(long_run_model):
     segments_before = set(glob.glob("/dev/shm/corelaunch-*"))
-    # Three prompts, many tokens each: still generating when the interrupt comes. TP 3: the ranks
-    # share a shared-memory segment, which must be gone too.
+    # Three prompts, thousands of tokens each: still generating when the interrupt comes. TP 3: the
+    # ranks share a shared-memory segment, which must be gone too.
     # Not --quiet: the progress line that ends start-up says when the generation begins; 1.5 s
-    # after it is well into the generation (three prompts of 400 tokens take far longer).
+    # after it is well into the generation.
     code, err, took_s, sid = signal_when_ready(
-        generate_command("One", "Two", "Three", new_tokens=400, tp=3, quiet=False), "✓ starting", 1.5,
+        long_generate_command(long_run_model, "t5 t9", "t7 t33", "t12 t44", tp=3), "✓ starting", 1.5,
         lambda pid: os.killpg(pid, signal.SIGINT), preexec_fn=interactive_sigint)
+    assert_signalled_while_generating(err)
     assert code == 130 and "interrupted" in err, err
     assert took_s < 3.0, f"Ctrl-C took {took_s:.1f} s to return"
     assert_nothing_left(sid, segments_before)

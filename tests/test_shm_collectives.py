@@ -15,8 +15,10 @@
   serving loop) ends that call with CollectivesClosed and unmaps after it leaves (was a segfault);
   misuse (a 0-d gather, a strided in-place sum) raises a ValueError naming the fix on every path.
 - Set-up failure on one rank: every rank falls back to gloo together (auto) or all raise (shm).
-- Nothing named corelaunch-* is left in /dev/shm, during a group's life or after, nor by a leader
-  killed while another rank still builds its helpers.
+- No segment of a test's own groups is left in /dev/shm, during a group's life or after (a dead or
+  absent peer, a set-up that failed on one rank), nor by a leader killed while another rank still
+  builds its helpers. Only the test's own segments are watched (the paths its ranks opened), so
+  these tests run beside others whose groups come and go in /dev/shm meanwhile.
 - Local trust: a FIFO among the segments stalls neither the orphan sweep nor set-up, and a group
   still forms beside it; a symlink, FIFO or another user's file at a segment path is refused. The
   helper library is built into a 0700 directory of this user's; a library that is group- or
@@ -46,38 +48,68 @@ import torch
 
 from workers.net import free_port_for_a_late_bind
 
-SHM_GLOB = "/dev/shm/corelaunch-*"
+SEGMENTS_NAMED: list[str] = []
+"""In the test process: every path the ranks of this test's groups opened a segment at (created or
+attached, or tried to), as run_ranks and the launcher test collect them; emptied as each test starts."""
+_opened_here: list[str] = []
+"""In a rank process: the paths its own Segments were opened at (_record_segment_paths)."""
+
+
+def segment_groups(paths) -> set[str]:
+    """The group ids in segment paths (…/corelaunch-<id>-node<i>)."""
+    return {os.path.basename(path).rsplit("-node", 1)[0] for path in paths}
+
+
+def assert_segments_gone(paths) -> None:
+    left = sorted(path for path in set(paths) if os.path.lexists(path))
+    assert not left, f"shared-memory segments left behind: {left}"
 
 
 @pytest.fixture(autouse=True)
-def no_shm_leaks(request):
-    """Watches the host's /dev/shm around the tests that put segments there (marked exclusive, so
-    no other test runs beside them); the others keep their segments under tmp_path, and another
-    test process's Ray group may be making its own in /dev/shm meanwhile."""
-    if request.node.get_closest_marker("exclusive") is None:
-        yield
-        return
-    before = set(glob.glob(SHM_GLOB))
+def no_shm_leaks():
+    """Once a test ends, every segment its own groups opened is gone, whatever became of their ranks.
+    Only its own: the host's whole /dev/shm holds, beside these tests, the segments of other tests'
+    groups (the parallel lane), which come and go as they will."""
+    SEGMENTS_NAMED.clear()  # a module-scoped group's (three_ranks) were checked where it ran
     yield
-    left = set(glob.glob(SHM_GLOB)) - before
-    assert not left, f"shared-memory segments left behind: {sorted(left)}"
+    assert_segments_gone(SEGMENTS_NAMED)
 
 
 # ---- running a function on N spawned ranks ---------------------------------------------------
+def _record_segment_paths() -> None:
+    """In a rank process: every Segment opened records its path in _opened_here first (a failed open
+    too: a leader's segment that another rank could not attach to is still this group's)."""
+    from workers.shm.exchange import Segment
+
+    opened = Segment.__init__
+
+    def recording(self, path, *args, **kwargs):
+        _opened_here.append(path)
+        opened(self, path, *args, **kwargs)
+
+    Segment.__init__ = recording
+
+
+def own_segments_present() -> list[str]:
+    """In a rank process: the segments its groups opened that still have a name."""
+    return sorted(path for path in set(_opened_here) if os.path.lexists(path))
+
+
 def _entry(rank: int, world_size: int, port: int, queue, fn, args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        _record_segment_paths()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=60))
         # Serialised here: tensors put on a queue as they are would be shared through this process's
         # file descriptors, gone if it exits before the parent reads them.
         payload = io.BytesIO()
         torch.save(fn(rank, world_size, *args), payload)
-        queue.put((rank, "ok", payload.getvalue()))
+        queue.put((rank, "ok", payload.getvalue(), _opened_here))
     except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
+        queue.put((rank, "error", traceback.format_exc(), _opened_here))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -85,7 +117,8 @@ def _entry(rank: int, world_size: int, port: int, queue, fn, args) -> None:
 
 def run_ranks(world_size: int, fn, *args, timeout_s: float = 90.0, expect: int | None = None) -> dict:
     """{rank: fn(rank, world_size, *args)} from `world_size` spawned ranks sharing a gloo group.
-    `expect`: how many ranks report (a rank that exits on purpose reports nothing)."""
+    `expect`: how many ranks report (a rank that exits on purpose reports nothing). The paths the
+    reporting ranks opened segments at go to SEGMENTS_NAMED."""
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = free_port_for_a_late_bind()  # rank 0 binds it once spawned and torch is imported
@@ -98,10 +131,11 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 90.0, expect: int |
     try:
         while len(results) < (world_size if expect is None else expect):
             try:
-                rank, status, payload = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, status, payload, opened = queue.get(timeout=max(0.1, deadline - time.monotonic()))
             except Empty:
                 raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not report "
                                    f"within {timeout_s} s") from None
+            SEGMENTS_NAMED.extend(opened)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
@@ -153,7 +187,7 @@ def _two_ranks(rank, world_size):
                      type(_build(rank, world_size, node_groups=[[0], [1]], mode="auto")).__name__],
            "mismatch": []}
     dist.barrier()  # the leader unlinks right after the last set-up step: let it
-    out["segments_while_alive"] = sorted(glob.glob(SHM_GLOB))
+    out["segments_while_alive"] = own_segments_present()
     assert isinstance(shm, ShmCollectives)
     for seed, shape in enumerate(SHAPES):
         for dtype in (torch.float32, torch.bfloat16):
@@ -195,9 +229,10 @@ def _misuse_errors(coll) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_two_ranks_bitwise_equal_to_gloo_and_selection():
     results = run_ranks(2, _two_ranks)
+    # one node explicitly, by hostname, and chunked; none for gloo or ranks on nodes of their own
+    assert len(segment_groups(SEGMENTS_NAMED)) == 3  # what no_shm_leaks then finds gone
     for rank, out in results.items():
         assert out["mismatch"] == [], f"rank {rank}: results differ from gloo: {out['mismatch']}"
         assert out["misuse"] == [], f"rank {rank}: {out['misuse']}"
@@ -299,11 +334,15 @@ def three_ranks() -> dict:
                                intermediate_size=120, num_layers=3, seed=3)
     case = Case("tp3", ModelConfig.from_dict(model.config.to_dict()), hf_state_dict(model),
                 [Request([[5, 9, 33, 17, 80, 3], [7, 100, 21]], max_new_tokens=NEW_TOKENS)])
-    return run_ranks(3, _three_ranks, 600, case)
+    SEGMENTS_NAMED.clear()
+    results = run_ranks(3, _three_ranks, 600, case)
+    # checked here, as the ranks have exited: the tests that take this fixture start after it
+    assert len(segment_groups(SEGMENTS_NAMED)) == 3  # shm, small and broken
+    assert_segments_gone(SEGMENTS_NAMED)
+    return results
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_three_ranks_fixed_order_agreement_and_race_free_reuse(three_ranks):
     results = three_ranks
     for rank, out in results.items():
@@ -348,9 +387,9 @@ def _absent_peers(rank, world_size):
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_absent_peer_times_out_and_dead_peer_is_noticed():
     out = run_ranks(2, _absent_peers, expect=1)[0]
+    assert len(segment_groups(SEGMENTS_NAMED)) == 2  # late and dead: no_shm_leaks then finds them gone
     message, waited = out["timeout"]
     assert "rank 1" in message and "waited 1 s" in message and "CORELAUNCH_COLLECTIVES=gloo" in message
     assert 0.9 < waited < 10
@@ -401,9 +440,11 @@ def _multi_node(rank, world_size):
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_hierarchical_across_node_groups_and_collective_fallback():
     results = run_ranks(4, _multi_node)
+    # three groups formed and two failed to (one rank could not attach): no_shm_leaks then finds
+    # every node's segment of all five gone
+    assert len(segment_groups(SEGMENTS_NAMED)) == 5
     for rank, out in results.items():
         assert out["types"] == {"2x2": "HierarchicalCollectives", "interleaved": "HierarchicalCollectives",
                                 "1+3": "HierarchicalCollectives"}
@@ -418,7 +459,6 @@ def test_hierarchical_across_node_groups_and_collective_fallback():
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_tp3_greedy_tokens_identical_with_gloo_and_shared_memory(three_ranks):
     for rank, out in three_ranks.items():
         tokens = out["tokens"]
@@ -429,7 +469,6 @@ def test_tp3_greedy_tokens_identical_with_gloo_and_shared_memory(three_ranks):
 
 # ---- through the launcher: the CPU backend picks shared memory by default ----------------------------
 @pytest.mark.slow
-@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_launcher_tp2_uses_shared_memory_and_leaves_nothing(tmp_path, ray_session):
     import ray
 
@@ -440,9 +479,14 @@ def test_launcher_tp2_uses_shared_memory_and_leaves_nothing(tmp_path, ray_sessio
     with Launcher(model=str(tmp_path), tp=2, progress=False) as llm:
         kinds = ray.get([a.__ray_call__.remote(lambda self: type(self._collectives).__name__)
                          for a in llm._group.actors])
+        assert kinds == ["ShmCollectives", "ShmCollectives"]
+        # the segment's path as each rank opened it (the group's id is drawn by its rank 0)
+        paths = ray.get([a.__ray_call__.remote(lambda self: self._collectives._x.segment.path)
+                         for a in llm._group.actors])
+        SEGMENTS_NAMED.extend(paths)  # no_shm_leaks: gone after the launch too
         [out] = llm.generate([[5, 17, 42, 9]], max_new_tokens=4, ignore_eos=True)
-        assert glob.glob(SHM_GLOB) == []
-    assert kinds == ["ShmCollectives", "ShmCollectives"]
+        assert_segments_gone(paths)  # its name went as soon as both ranks had attached
+    assert len(set(paths)) == 1 and os.path.dirname(paths[0]) == "/dev/shm", paths  # one node's, in /dev/shm
     assert len(out.token_ids) == 4
 
 
@@ -866,7 +910,6 @@ def _kill_the_leader_while_building_the_helpers(rank, world_size, shm_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_a_leader_killed_while_a_rank_builds_its_helpers_leaves_no_segment(tmp_path):
     """A review: the leader created its segment before the others had their helpers, then waited
     for them; killed in that wait (seconds: a C build on a cold cache), it left the segment named
@@ -988,7 +1031,6 @@ def _group_beside_a_fifo(rank, world_size, shm_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_processes_form_a_shared_memory_group_beside_a_planted_fifo(tmp_path):
     """group.py's own set-up (the leader sweeps orphans first) between two real processes."""
     fifo = tmp_path / "corelaunch-x"

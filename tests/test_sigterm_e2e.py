@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_hardening_e2e import assert_nothing_left, clean_env, generate_command, signal_when_ready
+from tests.test_hardening_e2e import (assert_nothing_left, assert_signalled_while_generating, clean_env,
+                                      long_generate_command, long_run_model, signal_when_ready)  # noqa: F401 - long_run_model: a fixture
 
 REPO = Path(__file__).parent.parent
 
@@ -72,7 +73,7 @@ def test_after_ray_init_sigterm_still_raises_the_clis_interrupt():
 @pytest.mark.exclusive
 @pytest.mark.parametrize("target, when", [("pid", "generating"), ("group", "generating"), ("pid", "starting"),
                                           ("group", "ray-starting")])
-def test_sigterm_stops_a_generate_within_seconds_leaving_nothing(target, when):
+def test_sigterm_stops_a_generate_within_seconds_leaving_nothing(long_run_model, target, when):  # noqa: F811
     """target pid: `kill PID` (systemd's default, `ray job stop`); group: `kill -- -PGID` or
     `timeout`, which reach Ray's GCS and raylet at the same moment. when starting: as the ranks are
     placed and load (the launcher's shutdown then waits for the start's threads before Ray
@@ -80,15 +81,16 @@ def test_sigterm_stops_a_generate_within_seconds_leaving_nothing(target, when):
     signal had ended, then exit 1)."""
     segments_before = set(glob.glob("/dev/shm/corelaunch-*"))
     # Not --quiet: the progress lines say when Ray is up and when the generation begins; 1.5 s
-    # after the start is well into the generation (two prompts of 400 tokens take far longer).
+    # after the start is well into the generation (two prompts of thousands of tokens each).
     send = (lambda pid: os.kill(pid, signal.SIGTERM)) if target == "pid" else (
         lambda pid: os.killpg(pid, signal.SIGTERM))
     marker, after_s = {"generating": ("✓ starting", 1.5), "starting": ("✓ connecting to Ray", 0.0),
                        "ray-starting": ("✓ loading tokenizer", 1.0)}[when]
-    code, err, took_s, sid = signal_when_ready(generate_command("One", "Two", new_tokens=400, quiet=False), marker,
+    code, err, took_s, sid = signal_when_ready(long_generate_command(long_run_model, "t5 t9", "t7 t33"), marker,
                                                after_s, send)
     too_late = {"starting": "✓ starting", "ray-starting": "✓ connecting to Ray"}.get(when)
     assert too_late is None or too_late not in err, f"the signal came after the phase it is for:\n{err[-3000:]}"
+    assert_signalled_while_generating(err)
     assert code == 143, err[-3000:]
     assert "corelaunch: terminated (SIGTERM)" in err, err[-3000:]
     assert "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]
