@@ -22,13 +22,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # The files that take about 35 s or more on 2 cores, longest first: per-file sums of a junit report
 # of the parallel lane on machine S (session 78, 4583 tests, 2958 worker-seconds), since CI's first
 # step runs the fast and slow tests together (README, Tests); test_check_bench_cpu_share.py is new
-# since (its slow case about 70 s). Under `-n 2 --dist loadfile` xdist hands the workers whole files
+# since (its slow case about 70 s), test_shm_collectives.py has left the exclusive step since (about
+# 170 s alone) and test_compiled.py runs one Ray case instead of two. Under `-n 2 --dist loadfile` xdist hands the workers whole files
 # from one queue, in its order (each holds up to two and is sent the next when nearly done), so a
 # long file handed out last keeps one worker busy after the other has run out: queued first, the
 # many short files after them even out the two workers' ends. Only the order changes; a file
 # missing here runs after them, in collection order.
-LONGEST_FILES = ("test_openai_server.py", "test_multinode.py", "test_compile_cli.py", "test_fault_tolerance.py",
-                 "test_compiled.py", "test_ray_connect_e2e.py", "test_check_bench_cli.py",
+LONGEST_FILES = ("test_openai_server.py", "test_multinode.py", "test_shm_collectives.py", "test_compile_cli.py",
+                 "test_fault_tolerance.py", "test_ray_connect_e2e.py", "test_check_bench_cli.py", "test_compiled.py",
                  "test_check_bench_cpu_share.py", "test_compile_message_e2e.py", "test_flagged_server.py",
                  "test_pythonic_calls.py", "test_quantized_check_tolerances.py", "test_compile_once.py",
                  "test_join_without_a_local_node.py", "test_ray_job.py", "test_launcher_failures.py",

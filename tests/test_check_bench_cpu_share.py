@@ -97,13 +97,17 @@ def test_leftover_arguments_are_named_with_their_values(capsys):
     does not know, so argparse's refusal left it out ("unrecognized arguments: --bogus"); bench,
     without positionals, named them all."""
     for command, words, named in (("check", ["--bogus", "7"], "--bogus 7"),
-                                  ("check", ["--tp", "1", "--bogus", "7", "8", "--json"], "--bogus 7 8"),
+                                  ("check", ["--tp", "1", "--bogus", "7", "8", "--json"], "--bogus 7"),
                                   ("check", ["--cpus-per-rank", "1", "--replicas", "1"], "--replicas 1"),
                                   ("check", ["--nodes", "2", "--replicas", "1"], "--nodes 2 --replicas 1"),
                                   ("check", ["a prompt", "--bogus", "-5"], "--bogus -5"),
                                   ("generate", ["--bogus", "7"], "--bogus 7"),
-                                  # the stray B is the last (argparse took the first run as prompts)
-                                  ("generate", ["--bogus", "B", "A", "--max-new-tokens", "4", "B"], "--bogus B A B"),
+                                  # one value an unknown option (most take one), the words after it
+                                  # prompts; the stray B is the last (argparse took the first run)
+                                  ("generate", ["--bogus", "B", "A", "--max-new-tokens", "4", "B"], "--bogus B B"),
+                                  # a known option's value equal to the stray one is the option's
+                                  ("bench", ["--bogus", "2", "--tp", "2"], "--bogus 2"),
+                                  ("generate", ["A", "--bogus", "4", "--max-new-tokens", "4"], "--bogus 4"),
                                   ("bench", ["--bogus", "7"], "--bogus 7")):
         with pytest.raises(SystemExit) as exit_:
             main([command, *words])
@@ -114,6 +118,9 @@ def test_leftover_arguments_are_named_with_their_values(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "A", "--max-new-tokens", "4", "B"])
     assert "unrecognized arguments: B; prompts go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a negative number is a prompt to argparse: the same hint
+        main(["generate", "A", "--max-new-tokens", "4", "-5"])
+    assert "unrecognized arguments: -5; prompts go together" in capsys.readouterr().err
     # a negative number is a value to argparse (taken as a prompt here), not a prompt starting with '-'
     with pytest.raises(SystemExit):
         main(["generate", "--bogus", "-.5"])

@@ -496,7 +496,7 @@ def test_an_empty_path_option_is_a_usage_error(argv, capsys):
      "them), or each with --prompt (see `corelaunch generate --help`)"),
     # a misspelt option is no split prompt
     (["generate", "--tempreature", "0.5", "hi"],
-     "corelaunch generate: error: unrecognized arguments: --tempreature (see `corelaunch generate --help`)"),
+     "corelaunch generate: error: unrecognized arguments: --tempreature 0.5 (see `corelaunch generate --help`)"),
     (["plan", "--bogus"], "corelaunch plan: error: unrecognized arguments: --bogus (see `corelaunch plan --help`)"),
     # a prompt starting with '-' reads as options: -h given "ello world", or an unknown option
     (["generate", "-hello world"],
@@ -507,7 +507,7 @@ def test_an_empty_path_option_is_a_usage_error(argv, capsys):
     (["generate", "--max-new-tokens", "-3", "hi"],  # a negative value is no prompt: no hint
      "--max-new-tokens (-3) must be at least 1 (see `corelaunch generate --help`)"),
     (["generate", "--tempreature", "0.5", "--", "-hello"],  # passed rightly after --: no hint
-     "unrecognized arguments: --tempreature (see `corelaunch generate --help`)"),
+     "unrecognized arguments: --tempreature 0.5 (see `corelaunch generate --help`)"),
     (["generate", "--max-new-tokens", "0", "-x y"],  # a refusal about something else: no hint
      "--max-new-tokens (0) must be at least 1 (see `corelaunch generate --help`)"),
 ])

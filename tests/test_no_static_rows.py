@@ -82,7 +82,7 @@ def test_generate_takes_no_max_batch_size_flag(capsys):
 
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--max-batch-size", "4", "x"])
-    assert exit_.value.code == 2 and "unrecognized arguments: --max-batch-size (see" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "unrecognized arguments: --max-batch-size 4 (see" in capsys.readouterr().err
 
 
 def test_a_static_generate_is_refused_without_static_rows(ray_tripwire):

@@ -76,7 +76,7 @@ def test_after_ray_init_sigterm_still_raises_the_clis_interrupt():
 def test_sigterm_stops_a_generate_within_seconds_leaving_nothing(long_run_model, target, when):  # noqa: F811
     """target pid: `kill PID` (systemd's default, `ray job stop`); group: `kill -- -PGID` or
     `timeout`, which reach Ray's GCS and raylet at the same moment. when starting: as the ranks are
-    placed and load (the launcher's shutdown then waits for the start's threads before Ray
+    placed and start (the tiny model's load takes milliseconds; the launcher's shutdown then waits for the start's threads before Ray
     closes); ray-starting: inside ray.init (sent to the group, ray.init waited 60 s for the GCS the
     signal had ended, then exit 1)."""
     segments_before = set(glob.glob("/dev/shm/corelaunch-*"))

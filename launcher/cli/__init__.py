@@ -14,7 +14,7 @@ import os
 import shlex
 import sys
 
-from launcher.cli.leftovers import named_with_their_values, option_like
+from launcher.cli.leftovers import named_with_their_values, option_like, value_options
 
 # subcommand name -> module implementing it
 SUBCOMMANDS = {
@@ -99,14 +99,16 @@ def _parse_and_run(argv: list[str] | None) -> int:
     _OneLineErrors.words = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        extra = named_with_their_values(_OneLineErrors.words, extra)  # `--bogus 7`: not "--bogus" alone
+        command_parser = parser.subcommand_parsers[args.command]
+        # `--bogus 7`: not "--bogus" alone
+        extra = named_with_their_values(_OneLineErrors.words, extra, value_options(command_parser))
         # `generate "A" --max-new-tokens 4 "B"`: argparse takes one run of positional prompts
-        split_prompts = args.command == "generate" and not any(word.startswith("-") for word in extra)
+        split_prompts = args.command == "generate" and not any(option_like(word) for word in extra)
         hint = ("; prompts go together (all options before or after them), or each with --prompt"
                 if split_prompts else "")
         # through the subcommand's own parser: `plan --json --foo` prints its refusal object on
         # stdout there, as it does for any other argparse refusal (an empty stdout was nothing to parse)
-        parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        command_parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     return int(args.run(args) or 0)
 
 
