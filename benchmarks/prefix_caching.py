@@ -184,12 +184,17 @@ REFUSED_PROMPTS = {
 """What sizes each workload's prompts, by the name refused_as is given, as a fix for a 400."""
 
 
-def refusal_text(err) -> str:
-    """The server's own message from an openai.BadRequestError, on one line."""
+def _error_object(err) -> dict:
+    """The OpenAI error object of an openai.BadRequestError's body ({} where it has none)."""
     body = getattr(err, "body", None)
     inner = body.get("error", body) if isinstance(body, dict) else None
-    text = inner["message"] if isinstance(inner, dict) and isinstance(inner.get("message"), str) else str(err)
-    return " ".join(text.split())
+    return inner if isinstance(inner, dict) else {}
+
+
+def refusal_text(err) -> str:
+    """The server's own message from an openai.BadRequestError, on one line."""
+    message = _error_object(err).get("message")
+    return " ".join((message if isinstance(message, str) else str(err)).split())
 
 
 async def refused_as(workload: str, args, request):
@@ -212,10 +217,7 @@ async def refused_as(workload: str, args, request):
 def past_the_context(err, said: str) -> bool:
     """Whether a 400 refused a request for its length: corelaunch's code for it, or another
     server's message naming the context."""
-    body = getattr(err, "body", None)
-    inner = body.get("error", body) if isinstance(body, dict) else None
-    code = inner.get("code") if isinstance(inner, dict) else None
-    return code == "context_length_exceeded" or "context" in said.lower()
+    return _error_object(err).get("code") == "context_length_exceeded" or "context" in said.lower()
 
 
 def _text(choice) -> str:

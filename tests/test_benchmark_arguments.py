@@ -278,23 +278,16 @@ def test_startup_comparison_alternates_the_sides_order_by_round():
 def models_server(ids: list[str]):
     """A tiny OpenAI stand-in in this process whose GET /v1/models lists `ids` (and nothing else
     answers): yields its /v1 URL."""
-    import http.server
     import json
 
-    from tests.local_http import serving
+    from tests.local_http import QuietHandler, serving
 
-    class Models(http.server.BaseHTTPRequestHandler):
+    class Models(QuietHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
             found = self.path == "/v1/models"
             body = json.dumps({"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}).encode() \
                 if found else b""
-            self.send_response(200 if found else 404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
+            self.send_body(200 if found else 404, body)
 
     with serving(Models) as url:
         yield url

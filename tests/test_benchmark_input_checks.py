@@ -5,7 +5,6 @@ refuses said in one line; reports that name what ran. Each case failed before it
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import math
 import shutil
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.local_http import serving
+from tests.local_http import QuietHandler, serving
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_CONFIG = ROOT / "tests/data/configs/smollm2-135m-instruct.json"
@@ -114,14 +113,14 @@ def refusing_server(refused_path: str, refusal: dict = CONTEXT_REFUSAL):
     """A tiny OpenAI-compatible server in this process: GET /v1/models lists "m"; a POST to
     refused_path draws the 400 a corelaunch server sends for a prompt past its context, any other
     POST streams `max_tokens` one-token chunks and the usage. Yields its /v1 URL."""
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            self._send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode())
+            self.send_body(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode())
 
         def do_POST(self):  # noqa: N802
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path == refused_path:
-                self._send(400, json.dumps({"error": refusal}).encode())
+                self.send_body(400, json.dumps({"error": refusal}).encode())
                 return
             chat = self.path.endswith("/chat/completions")
             head = {"id": "x", "created": 0, "model": "m",
@@ -133,17 +132,7 @@ def refusing_server(refused_path: str, refusal: dict = CONTEXT_REFUSAL):
             events.append({**head, "choices": [],
                            "usage": {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": 1 + tokens}})
             body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-            self._send(200, body.encode(), "text/event-stream")
-
-        def _send(self, status: int, body: bytes, kind: str = "application/json"):
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
+            self.send_body(200, body.encode(), "text/event-stream")
 
     with serving(Handler) as url:
         yield url
