@@ -13,7 +13,6 @@ a Serve replica's route does (on a thread holding a copy of the request's contex
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -41,20 +40,36 @@ class HeldBoard(MetricsBoard):
         time.sleep(seconds)
 
 
+class GatherCounter:
+    """The board's handle as the poster sees it, counting the gathers it has submitted (the periodic
+    poster calls `put`), so the test cancels the scrape only once its gather is submitted: a loaded
+    machine can take longer than any fixed wait between the render and the submission."""
+
+    def __init__(self, board) -> None:
+        self.board, self.submitted = board, 0
+
+    def __getattr__(self, name):
+        return getattr(self.board, name)
+
+    @property
+    def gather(self):
+        return self
+
+    def remote(self, *args):
+        ref = self.board.gather.remote(*args)  # in the context the poster runs it in
+        self.submitted += 1
+        return ref
+
+
 class ScrapingReplica:
     def __init__(self, board) -> None:
         from launcher.serving.metrics_board import BoardPoster
 
-        self.scrape_renders = 0
-        self.poster = BoardPoster(board, "r1", render=self._render)
+        self.counter = GatherCounter(board)
+        self.poster = BoardPoster(self.counter, "r1", render=lambda: b"corelaunch_up 1.0\n")
 
-    def _render(self) -> bytes:
-        if threading.current_thread().name != "corelaunch-metrics-board":  # not the periodic poster
-            self.scrape_renders += 1  # the scrape sends its gather right after
-        return b"corelaunch_up 1.0\n"
-
-    def renders_by_scrapes(self) -> int:
-        return self.scrape_renders
+    def gathers_submitted(self) -> int:
+        return self.counter.submitted
 
     async def scrape(self) -> bytes:
         # Starlette runs a sync route in a thread with the request's context copied, as to_thread does
@@ -69,20 +84,22 @@ def test_a_scrape_cancelled_with_its_request_still_posts_to_the_board(ray_sessio
     board = ray.remote(num_cpus=0, max_concurrency=2)(HeldBoard).remote()
     replica = ray.remote(num_cpus=0)(ScrapingReplica).remote(board)
     ray.get([board.__ray_ready__.remote(), replica.__ray_ready__.remote()], timeout=120)
-    held = [board.hold.remote(6.0) for _ in range(2)]  # the scrape's gather queues behind them
+    held = [board.hold.remote(8.0) for _ in range(2)]  # the scrape's gather queues behind them
     ref = replica.scrape.remote()
-    deadline = time.monotonic() + 5
-    while not ray.get(replica.renders_by_scrapes.remote(), timeout=30):
-        assert time.monotonic() < deadline, "the scrape never rendered"
+    deadline = time.monotonic() + 6
+    while not ray.get(replica.gathers_submitted.remote(), timeout=30):
+        assert time.monotonic() < deadline, "the scrape never submitted its gather"
         time.sleep(0.05)
-    time.sleep(0.5)  # its gather, sent right after the render, waits in the board's queue
-    ray.cancel(ref, recursive=True)
+    ray.cancel(ref, recursive=True)  # its gather waits in the board's queue
     try:  # cancelled; before the fix it could also end first, its own series alone, its gather cut
         ray.get(ref, timeout=30)
     except ray.exceptions.TaskCancelledError:
         pass
     ray.get(held, timeout=30)
-    assert ray.get(board.gathers.remote(), timeout=30) == ["r1"]  # it ran once the board was free
+    deadline = time.monotonic() + 10  # the gather and this read may run at once on the board's threads
+    while not (gathered := ray.get(board.gathers.remote(), timeout=30)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gathered == ["r1"]  # it ran once the board was free
     ray.get(replica.close.remote(), timeout=30)
     ray.kill(replica)
     ray.kill(board)
