@@ -216,16 +216,24 @@ def _written_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float64 else dtype
 
 
-def _finite(weight: torch.Tensor, name: str, start: int, stop: int) -> torch.Tensor:
-    """weight (rows start..stop of `name`), or ValueError when it holds NaN or infinite values: their
+def _finite(weight: torch.Tensor, name: str, start: int) -> torch.Tensor:
+    """weight (the rows of `name` from `start` on), or ValueError when it holds NaN or infinite values: their
     scale and codes would be NaN, which no launch can use (the rank refuses them, or every request
     fails on NaN logits)."""
-    bad = int((~torch.isfinite(weight)).sum())
-    if bad:
-        raise ValueError(f"tensor {name!r} holds {bad} NaN or infinite value(s) in rows {start}-{stop - 1}: their "
+    bad = ~torch.isfinite(weight)
+    if bool(bad.any()):
+        # the rows that hold them, not the block read (its rows were every row of a small tensor)
+        rows = (torch.nonzero(bad.reshape(bad.shape[0], -1).any(dim=1)).flatten() + start).tolist()
+        shown = ", ".join(map(str, rows[:_ROWS_NAMED])) + (f" and {len(rows) - _ROWS_NAMED} more" if len(rows) >
+                                                            _ROWS_NAMED else "")
+        raise ValueError(f"tensor {name!r} holds {int(bad.sum())} NaN or infinite value(s) in row(s) {shown}: their "
                          f"8-bit codes and scale would be NaN; quantize a checkpoint with finite weights (the source "
                          f"model gives NaN or infinite outputs too)")
     return weight
+
+
+_ROWS_NAMED = 5
+"""A refusal names this many of a tensor's rows with NaN or infinite values, and counts the rest."""
 
 
 def write_quantized(out, read_rows: Callable[[int, int], torch.Tensor], shape: tuple[int, ...],
@@ -247,12 +255,12 @@ def write_quantized(out, read_rows: Callable[[int, int], torch.Tensor], shape: t
     if quant.per_channel:
         scales = []
         for start, stop in blocks:
-            weight = _finite(read_rows(start, stop), name, start, stop)
+            weight = _finite(read_rows(start, stop), name, start)
             scales.append(absmax_scale(weight, quant.dtype, True))
             _write_tensor(out, quantize_with_scale(weight, scales[-1], quant.dtype))
         _write_tensor(out, torch.cat(scales) if scales else torch.empty(0))
         return
-    scale = torch.stack([absmax_scale(_finite(read_rows(start, stop), name, start, stop), quant.dtype, False)
+    scale = torch.stack([absmax_scale(_finite(read_rows(start, stop), name, start), quant.dtype, False)
                          for start, stop in blocks]).amax(0)
     for start, stop in blocks:
         _write_tensor(out, quantize_with_scale(read_rows(start, stop), scale, quant.dtype))

@@ -47,28 +47,59 @@ def test_fast_ends_say_one_second_and_a_slow_or_stalled_pool_up_to_a_minute():
 
 def test_a_full_queue_tells_the_wait_its_streams_ending_say(tmp_path, in_process_cluster):
     """Over a real in-process Launcher: the ends its replicas record set QueueFull's retry_after_s
-    (ends given a clock of their own here, 5 s apart, so the pace is known)."""
+    (ends given a clock of their own here, 5 s apart, so the pace is known), and the time the pool
+    then stands idle does not count: it told the first client refused after a minute idle to wait 60 s."""
     import pytest
 
     from launcher.api import Launcher
     from launcher.errors import QueueFull
     from tests.model_factory import random_model_with_smollm2_tokenizer
 
+    def refused(*holding: str) -> int:
+        """QueueFull's retry_after_s for a request once `holding` streams (with any still open) fill the rows."""
+        held = [llm.stream(p, max_new_tokens=400, ignore_eos=True) for p in holding]
+        for stream in held:
+            next(stream)
+        with pytest.raises(QueueFull) as refusal:
+            llm.stream("e", max_new_tokens=2)
+        for stream in held:
+            stream.close()
+        return refusal.value.retry_after_s
+
     model_dir = random_model_with_smollm2_tokenizer(tmp_path)
-    with Launcher(model=model_dir, tp=1, max_num_seqs=1, max_queued_requests=0, progress=False,
+    with Launcher(model=model_dir, tp=1, max_num_seqs=2, max_queued_requests=0, progress=False,
                   compile=False) as llm:
         llm.generate(["a"], max_new_tokens=2)  # the pool exists once something ran
         clock = ManualClock(1000.0)
         llm._pool.finish_rate = FinishRate(clock)
-        for _ in range(3):  # three requests end, 5 s apart on the clock
-            llm.generate(["b"], max_new_tokens=2)
+        busy = llm.stream("c", max_new_tokens=400, ignore_eos=True)  # the pool stays busy till it closes
+        next(busy)
+        for _ in range(3):  # three requests end beside it, 5 s apart on the clock
             clock.now += 5
-        running = llm.stream("d", max_new_tokens=400, ignore_eos=True)
-        next(running)
-        with pytest.raises(QueueFull) as refused:
-            llm.stream("e", max_new_tokens=2)
-        running.close()
-    assert refused.value.retry_after_s == 5  # 15 s up to now over 3 ends
+            llm.generate(["b"], max_new_tokens=2)
+        clock.now += 5
+        busy_pace = refused("d")  # c and d fill both rows; then both end at once
+        busy.close()
+        clock.now += 300  # nothing in flight for five minutes
+        after_idle = refused("d", "f")
+    assert busy_pace == 5  # 15 s up to now over 3 ends
+    assert after_idle == 3  # 15 s over its 5 ends, the 300 s idle left out (told as 60 s before)
+
+
+def test_time_with_nothing_in_flight_is_no_stall():
+    clock = ManualClock(1000.0)
+    rate = FinishRate(clock)
+    for _ in range(4):  # an end every 2 s
+        clock.now += 2
+        rate.record()
+    clock.now += 600  # idle: nothing in flight
+    rate.became_busy()
+    assert rate.retry_after_s() == 2  # 6 s over the 4 ends (before: 60, the idle time)
+    clock.now += 10  # busy, and nothing ends: that stall counts
+    assert rate.retry_after_s() == 10
+    fresh = FinishRate(clock)
+    fresh.became_busy()  # nothing ever ended: nothing to move
+    assert fresh.retry_after_s() == 1
 
 
 def test_a_long_stalled_pool_says_the_longest_wait():

@@ -291,8 +291,9 @@ def test_a_weight_with_nan_or_inf_is_refused_naming_it(source_dir, tmp_path, fmt
     state[name][3, 5] = float("nan")
     state[name][7, 0] = float("inf")
     save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"tensor '{re.escape(name)}' holds 2 NaN or infinite value\(s\) in rows "
-                                         rf"0-\d+: their 8-bit codes and scale would be NaN"):
+    # the rows that hold them: "rows 0-63" named every row of this tensor
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(name)}' holds 2 NaN or infinite value\(s\) in "
+                                         rf"row\(s\) 3, 7: their 8-bit codes and scale would be NaN"):
         quantize_checkpoint(broken, tmp_path / "q", fmt, per_channel=per_channel)
     assert not (tmp_path / "q").exists() and [p.name for p in tmp_path.iterdir()] == ["broken"]  # nothing left
 

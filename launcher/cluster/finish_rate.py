@@ -7,6 +7,10 @@ requests stopped ending says a longer wait) over the ends it holds, but never le
 since the last end (a burst of ends and then a stall says the stall). With fewer than two ends in the
 window (long requests, or a pool that stopped ending them) it is the time since the last end, up
 to LONGEST_WAIT_S; only a pool where nothing has ended yet says the least wait, one second.
+
+Time with nothing in flight is no stall: when a request comes to an idle pool, the ends it holds are
+moved on by the idle time, as if it had not passed. A server idle for a minute told the first client
+its burst turned away to wait 60 s (the `openai` client waits that long).
 """
 
 from __future__ import annotations
@@ -37,6 +41,13 @@ class FinishRate:
     def record(self) -> None:
         with self._lock:
             self._ends.append(self._clock())
+
+    def became_busy(self) -> None:
+        """A request came to a pool with none in flight (called under the pool's admission lock)."""
+        with self._lock:
+            if self._ends:
+                idle = self._clock() - self._ends[-1]  # the last request to leave left the pool idle
+                self._ends = deque((end + idle for end in self._ends), maxlen=KEPT)
 
     def retry_after_s(self) -> int:
         """Whole seconds a refused client should wait (the module's doc), 1 to LONGEST_WAIT_S."""

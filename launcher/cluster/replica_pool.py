@@ -808,6 +808,8 @@ class ReplicaPool:
                                 f"later, or raise max_queued_requests or max_num_seqs (--max-queued-requests, "
                                 f"--max-num-seqs)", retry_after_s=self.finish_rate.retry_after_s(), slots=rows,
                                 queue_limit=queue_limit)
+            if not any(self.in_flight()):
+                self.finish_rate.became_busy()  # the time it stood idle is no stall of its ends
             for handle in handles:
                 # min() takes the first of equals: rotated, so ties do not all go to replica 0
                 first, self._next_first = self._next_first % len(candidates), self._next_first + 1
