@@ -51,12 +51,15 @@ def error_chain(err: BaseException | None):
 class RequestTimeout(GroupFault):
     """A request did not finish within the request timeout."""
 
-    def __init__(self, message: str, timeout_s: float | None = None) -> None:
+    def __init__(self, message: str, timeout_s: float | None = None, waited_for_a_slot: bool = False) -> None:
         super().__init__(message)
         self.timeout_s = timeout_s
         """The time the request was given (a wave's more for each wave of rows queued before it), where
         the error is that one request's past its timeout (not a hung group's, nor a static batch's):
         the OpenAI server tells it in its client's terms."""
+        self.waited_for_a_slot = waited_for_a_slot
+        """It never got a sequence slot (every one held by requests before it): fewer tokens would not
+        have helped it, a later retry or more slots would."""
 
 
 class RankFailed(GroupFault):

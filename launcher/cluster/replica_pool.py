@@ -279,13 +279,16 @@ class Replica:
         now = time.monotonic()
         with self._streams_lock:
             late = [h for h in self.streams.values() if now > h.deadline]
+            # the books' order is the order the group takes them in: those past its rows wait for one
+            queued = set(list(self.streams)[self.pool.rows or 0:]) if late else set()
             for handle in late:
                 self._out_of_the_books(handle.request_id)  # a queued request may take its place
                 if handle.request_id in self._handed:
                     self.cancelling.add(handle.request_id)
         for handle in late:
             group.cancel([handle.request_id])
-            handle.fail(_overdue(handle, "it was cancelled"))
+            handle.fail(_overdue(handle, "it was cancelled",
+                                 waited_for_a_slot=handle.request_id in queued and not handle.delivered))
         self._lend_waiting()
         self._take_from_restarting()
         self._check_hung(now)
@@ -654,9 +657,15 @@ class Replica:
                 if self.started is not None else []}
 
 
-def _overdue(handle: StreamHandle, what_then: str) -> RequestTimeout:
+def _overdue(handle: StreamHandle, what_then: str, waited_for_a_slot: bool = False) -> RequestTimeout:
     # "delivered": a group holds up to 64 of a whole answer's tokens before sending them (its
     # stream_interval), which a timeout drops: "it had 1 of 1000" was said of a request 45 tokens in
+    if waited_for_a_slot:  # it was told to ask for fewer tokens, of which it had generated none
+        return RequestTimeout(
+            f"request {handle.request_id} did not finish within {handle.timeout_s:g} s: it waited all that time "
+            f"for a sequence slot, every one busy with requests before it; {what_then}. Retry it later, or raise "
+            f"max_num_seqs (--max-num-seqs) or request_timeout_s (--request-timeout)",
+            timeout_s=handle.timeout_s, waited_for_a_slot=True)
     return RequestTimeout(
         f"request {handle.request_id} did not finish within {handle.timeout_s:g} s (it had delivered "
         f"{len(handle.delivered)} of {handle.request.max_tokens} tokens); {what_then}. Raise "

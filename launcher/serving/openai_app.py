@@ -555,7 +555,8 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
 
-def _overdue(response_id: str | None, timeout_s: float, delivered: list[int], ended: list) -> str:
+def _overdue(response_id: str | None, timeout_s: float, delivered: list[int], ended: list,
+             waited_for_a_slot: bool = False) -> str:
     """What a client is told of its request past the request timeout: the response id a stream gave
     it (None: the request, whose answer not streamed carries its id only when it comes; the
     engine's own request id, which the timeout's error names, means nothing to a client) and the
@@ -563,10 +564,13 @@ def _overdue(response_id: str | None, timeout_s: float, delivered: list[int], en
     `ended[i]`, choice i's: its `index`), naming those that had not ended (the timeout's error spoke
     of one of them only). An answer not streamed delivered nothing, and gathers a choice's tokens
     into one piece at its end: its count said "1 token" however far the choice had come, so none is
-    given."""
+    given. One that waited the whole time for a sequence slot (waited_for_a_slot) delivered nothing,
+    which _generation_failure says in its own words."""
     streamed = response_id is not None
     said = f"{f'response {response_id}' if streamed else 'the request'} did not finish within the request " \
            f"timeout ({timeout_s:g} s)"
+    if waited_for_a_slot:
+        return said
     if len(delivered) == 1:
         return f"{said}; it had delivered {_plural(delivered[0], 'token')}" if streamed else said
     cut = [f"choice {i}" + (f" ({_plural(count, 'token')} delivered)" if streamed else "")
@@ -574,15 +578,23 @@ def _overdue(response_id: str | None, timeout_s: float, delivered: list[int], en
     return f"{said}; of its {len(delivered)} choices, {', '.join(cut) or 'none'} had not ended"
 
 
-def _generation_failure(err: Exception, token_limit: str = CHAT_TOKEN_LIMITS, overdue: str | None = None
-                        ) -> tuple[int, dict, dict]:
+def _generation_failure(err: Exception, token_limit: str = CHAT_TOKEN_LIMITS, overdue: str | None = None,
+                        waited_for_a_slot: bool | None = None) -> tuple[int, dict, dict]:
     """(HTTP status, OpenAI error body, headers) for a request that failed while generating. A
     request past the request timeout is a 504 told as `overdue` (_overdue: in the client's terms,
     the error's own text being the driver API's; None: the error's text, a hung group's say) naming both ways out (token_limit: the route's own
     field): a chat request without it may generate up to the rest of the model's context, which on
     a slow host outlasts the default timeout (it was a 500, "generation failed"). A request whose
     replica's model failed for good is a 503 as a new request there would be, told nothing of nodes
-    or processes."""
+    or processes. A request that waited the whole time for a sequence slot (waited_for_a_slot; None:
+    the error's say) is told so, not to ask for fewer tokens, of which it had none."""
+    if waited_for_a_slot is None:
+        waited_for_a_slot = getattr(err, "waited_for_a_slot", False)
+    if isinstance(err, RequestTimeout) and waited_for_a_slot:
+        return 504, proto.error_body(
+            f"{overdue}: it waited all that time for a sequence slot, every one busy with other requests; retry it "
+            f"later, or have the server's operator raise its --max-num-seqs or --request-timeout" if overdue else
+            str(err), type="server_error", code="generation_timeout"), _NO_RETRY
     if isinstance(err, RequestTimeout):
         return 504, proto.error_body(
             f"{overdue or err}; ask for fewer tokens with {token_limit}: a request without it may generate up to the "
@@ -2030,8 +2042,10 @@ class OpenAIServer:
         id, each choice's delivered tokens and whether it had ended)."""
         timeout_s = err.timeout_s if isinstance(err, RequestTimeout) else None
         # None: not one request's own timeout (a hung group's), whose text says what happened
+        # several choices: one that waited for a slot speaks for one of them only
+        waited = isinstance(err, RequestTimeout) and err.waited_for_a_slot and len(delivered) == 1
         return _generation_failure(err, token_limit, None if timeout_s is None
-                                   else _overdue(response_id, timeout_s, delivered, ended))
+                                   else _overdue(response_id, timeout_s, delivered, ended, waited), waited)
 
     def _event_stream(self, events, stream: ChoiceStreams, outcome: dict) -> Response:
         """The server-sent events of a streamed answer; closing it closes the engine's streams and
