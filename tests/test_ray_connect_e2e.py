@@ -193,7 +193,8 @@ def test_ctrl_c_while_a_private_cluster_starts_leaves_nothing_running():
             out = subprocess.run([sys.executable, "-c", INTERRUPTED_CONNECT, delay], capture_output=True, text=True,
                                  timeout=180, env=env, cwd=REPO)
             assert out.returncode == 0 and out.stdout.split() in (["interrupted"], ["connected"]), out.stderr[-2000:]
-            left = _gone_within(f"RAY_TMPDIR={tmp}", 3.0)  # what a shutdown stops is gone within it
+            # a shutdown stops them within seconds, longer on a loaded machine; the bug left them a minute or more
+            left = _gone_within(f"RAY_TMPDIR={tmp}", 20.0)
             assert not left, f"processes of the interrupted start still running: {left}"
 
 

@@ -19,14 +19,14 @@ import pytest
 
 from launcher.serving.ingress import listeners_on
 from tests.test_hardening_e2e import alive, clean_env, command_line, session_processes
+from workers.net import free_port_for_a_late_bind
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _listener(host: str, port: int = 0, reuse_port: bool = True) -> socket.socket:
+def _listener(host: str, port: int = 0) -> socket.socket:
     sock = socket.socket()
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen()
     return sock
@@ -53,8 +53,7 @@ def _raylet_up(sid: int) -> bool:
 
 @pytest.mark.slow
 def test_a_listener_sharing_the_port_with_serves_proxy_is_refused_naming_the_port():
-    with _listener("127.0.0.1", reuse_port=False) as probe:  # a free port, released at once
-        port = probe.getsockname()[1]
+    port = free_port_for_a_late_bind()  # Serve's proxy binds it seconds later: none from the ephemeral range
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         serve = subprocess.Popen([sys.executable, "-m", "launcher", "serve", "--tp", "1", "--no-compile", "--quiet",
                                   "--port", str(port), "--ingress", "proxy"], cwd=REPO, stdout=out, stderr=err,

@@ -670,7 +670,7 @@ def test_ranks_whose_calls_differ_in_size_or_dtype_fail_the_step_naming_both(tmp
 # Run in a fresh interpreter: unmapping the segment under a waiting thread was a segfault, which
 # must fail one test (exit -11), not kill the pytest process. Prints one JSON line of findings.
 _CLOSE_IN_FLIGHT = r"""
-import json, pathlib, sys, threading, time
+import json, os, pathlib, sys, threading, time
 import torch
 from tests.test_shm_collectives import thread_ranks
 from workers.shm.exchange import NodeExchange
@@ -687,27 +687,51 @@ def attempt(coll, x):
         return f"{type(e).__name__}: {e}"
 
 
-class SlowAfterWait(NodeExchange):
-    # Holds the call inside the exchange (reading the slots next) well past close()'s wait.
+released = threading.Event()  # set once close() has returned
+
+
+class Signalled(NodeExchange):
+    # `inside`: set once this rank's call is where the scenario closes under it, so the main thread
+    # closes only then, however long a loaded machine takes to start the call's thread.
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inside = threading.Event()
+
+
+class InWait(Signalled):
+    # peer_wait, reuse_wait: the call is in its wait for a peer that never comes.
+    def _wait(self, *args, **kwargs):
+        self.inside.set()
+        super()._wait(*args, **kwargs)
+
+
+class HeldAfterWait(Signalled):
+    # slow_reader: the call is past the wait (reading the slots next) and held there until close()
+    # has returned: a fixed hold could end first on a loaded machine. A close() that waited the
+    # calls out would wait out the whole 30 s.
     def _wait(self, *args, **kwargs):
         super()._wait(*args, **kwargs)
-        time.sleep(1.0)
+        self.inside.set()
+        released.wait(30)
 
 
 if scenario == "slow_reader":
-    first, second = thread_ranks(tmp, 2, timeout_s=60.0, exchange_cls=SlowAfterWait)
+    first, second = thread_ranks(tmp, 2, timeout_s=60.0, exchange_cls=HeldAfterWait)
     results = {}
     threads = [threading.Thread(target=lambda r=r, c=c: results.__setitem__(r, attempt(c, torch.full((4,), 1.0 + r))))
                for r, c in enumerate((first, second))]
 else:
-    first, second = thread_ranks(tmp, 2, timeout_s=60.0)
+    first, second = thread_ranks(tmp, 2, timeout_s=60.0, exchange_cls=InWait)
     if scenario == "reuse_wait":  # rank 1 never reads this: the next step waits in _post to reuse the buffer
         first._x.broadcast_(torch.ones(8), root=0)
     results = {}
     threads = [threading.Thread(target=lambda: results.__setitem__(0, attempt(first, torch.ones(8))))]
 for t in threads:
     t.start()
-time.sleep(0.5)
+for rank, coll in enumerate((first, second)[:len(threads)]):
+    if not coll._x.inside.wait(30):  # exits now: a waiting thread would hold the interpreter 60 s
+        print(f"{scenario}: rank {rank}'s call never reached the exchange's wait in 30 s", file=sys.stderr, flush=True)
+        os._exit(1)
 start = time.monotonic()
 if scenario == "slow_reader":
     first._x.close(wait_s=0.1)
@@ -715,6 +739,7 @@ else:
     first.close()  # as RankWorker.shutdown does
 found["close_s"] = time.monotonic() - start
 found["mapped_after_close"] = not first._x.segment._map.closed
+released.set()
 for t in threads:
     t.join(10)
 found["ended_s"] = time.monotonic() - start
@@ -761,7 +786,8 @@ def test_a_call_still_reading_when_close_gives_up_waiting_unmaps_on_its_way_out(
     with a 0.1 s wait: close() returns with the segment still mapped, the call completes with the
     right sum, and the segment goes when it leaves."""
     found = _close_in_flight(tmp_path, "slow_reader")
-    assert found["close_s"] < 0.5 and found["mapped_after_close"], found
+    # the calls are held until close() returns: one that waited them out took 30 s
+    assert found["close_s"] < 5 and found["mapped_after_close"], found
     assert found["results"] == {"0": "returned [3.0, 3.0, 3.0, 3.0]", "1": "returned [3.0, 3.0, 3.0, 3.0]"}, found
     assert not found["mapped_at_end"], found
     assert found["later"].startswith("CollectivesClosed: "), found
