@@ -2158,12 +2158,19 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, serve
     assert only.choices[0].text == text and only.choices[0].finish_reason == "length"
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
     assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(ids)
+    lengths, stops = ('corelaunch_requests_total{finish_reason="%s",status="200"}' % r for r in ("length", "stop"))
+    ahead = _metric(server, lengths, missing=0)
     streamed = list(client.completions.create(**{**asked, "max_tokens": 0}, stream=True,
                                               stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text
     assert streamed[-1].usage.completion_tokens == 0
+    # a stream is counted once its body is sent, after the client has read [DONE]: a scrape at once
+    # could miss it, and the count below would then take its "length" for the next request's
+    deadline = time.monotonic() + 10
+    while _metric(server, lengths, missing=0) < ahead + 1:
+        assert time.monotonic() < deadline, "the streamed request never counted"
+        time.sleep(0.05)
     # the dropped token was EOS (forced): the client and the metrics both say "length"
-    lengths, stops = ('corelaunch_requests_total{finish_reason="%s",status="200"}' % r for r in ("length", "stop"))
     before = _metric(server, lengths, missing=0), _metric(server, stops, missing=0)
     eos = client.completions.create(**{**asked, "max_tokens": 0, "logit_bias": {str(hf.config.eos_token_id): 100}})
     assert eos.choices[0].finish_reason == "length"
