@@ -51,7 +51,8 @@ def error_chain(err: BaseException | None):
 class RequestTimeout(GroupFault):
     """A request did not finish within the request timeout."""
 
-    def __init__(self, message: str, timeout_s: float | None = None, waited_for_a_slot: bool = False) -> None:
+    def __init__(self, message: str, timeout_s: float | None = None, waited_for_a_slot: bool = False,
+                 lost_to_a_restart: bool = False) -> None:
         super().__init__(message)
         self.timeout_s = timeout_s
         """The time the request was given (a wave's more for each wave of rows queued before it), where
@@ -60,6 +61,9 @@ class RequestTimeout(GroupFault):
         self.waited_for_a_slot = waited_for_a_slot
         """It never got a sequence slot (every one held by requests before it): fewer tokens would not
         have helped it, a later retry or more slots would."""
+        self.lost_to_a_restart = lost_to_a_restart
+        """Its group failed and restarted past its timeout, so it was not resumed: a retry is served by
+        the restarted group, and fewer tokens would not have helped it."""
 
 
 class RankFailed(GroupFault):

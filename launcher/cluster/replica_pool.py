@@ -463,7 +463,7 @@ class Replica:
                 continue
             if now > handle.deadline:  # its prompt would be prefilled again only to time out
                 self._out_of_the_books(handle.request_id)
-                handle.fail(_overdue(handle, "its group failed and it was not resumed"))
+                handle.fail(_overdue(handle, "its group failed and it was not resumed", lost_to_a_restart=True))
                 continue
             self._hand_over(handle, handle.resumed())
 
@@ -657,9 +657,16 @@ class Replica:
                 if self.started is not None else []}
 
 
-def _overdue(handle: StreamHandle, what_then: str, waited_for_a_slot: bool = False) -> RequestTimeout:
+def _overdue(handle: StreamHandle, what_then: str, waited_for_a_slot: bool = False,
+             lost_to_a_restart: bool = False) -> RequestTimeout:
     # "delivered": a group holds up to 64 of a whole answer's tokens before sending them (its
     # stream_interval), which a timeout drops: "it had 1 of 1000" was said of a request 45 tokens in
+    if lost_to_a_restart:  # the restart, not the request's length, took its time: a retry is served
+        return RequestTimeout(
+            f"request {handle.request_id} did not finish within {handle.timeout_s:g} s (it had delivered "
+            f"{len(handle.delivered)} of {handle.request.max_tokens} tokens): {what_then}, its group's restart having "
+            f"outlasted that time; retry it, or raise request_timeout_s (--request-timeout) to have such requests "
+            f"resumed", timeout_s=handle.timeout_s, lost_to_a_restart=True)
     if waited_for_a_slot:  # it was told to ask for fewer tokens, of which it had generated none
         return RequestTimeout(
             f"request {handle.request_id} did not finish within {handle.timeout_s:g} s: it waited all that time "

@@ -587,9 +587,14 @@ def _generation_failure(err: Exception, token_limit: str = CHAT_TOKEN_LIMITS, ov
     a slow host outlasts the default timeout (it was a 500, "generation failed"). A request whose
     replica's model failed for good is a 503 as a new request there would be, told nothing of nodes
     or processes. A request that waited the whole time for a sequence slot (waited_for_a_slot; None:
-    the error's say) is told so, not to ask for fewer tokens, of which it had none."""
+    the error's say) is told so, not to ask for fewer tokens, of which it had none; one whose group's
+    restart outlasted its time is told to retry, and its 504 lets the client do so."""
     if waited_for_a_slot is None:
         waited_for_a_slot = getattr(err, "waited_for_a_slot", False)
+    if isinstance(err, RequestTimeout) and err.lost_to_a_restart:  # a retry is served: the client may retry it
+        return 504, proto.error_body(
+            f"{overdue}: its model failed and restarted meanwhile, and the restart outlasted the request's time; "
+            f"retry it" if overdue else str(err), type="server_error", code="generation_timeout"), {}
     if isinstance(err, RequestTimeout) and waited_for_a_slot:
         return 504, proto.error_body(
             f"{overdue}: it waited all that time for a sequence slot, every one busy with other requests; retry it "

@@ -1,0 +1,89 @@
+"""A request past its timeout for a cause other than its length is told that cause: one that waited
+the whole time for a sequence slot, or one whose group's restart outlasted its time, was told to ask
+for fewer tokens (`max_tokens`), and the second not to retry (`x-should-retry: false`), where a retry
+(later, or at once on the restarted group) would have served it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from launcher.errors import RequestTimeout
+
+
+def test_a_request_that_never_got_a_slot_is_told_it_waited_for_one(tmp_path, in_process_cluster):
+    """Over a real in-process Launcher, one slot: the first request holds it (the default timeout),
+    the second, given a short one, waits behind it and times out; then one that held the slot
+    times out too and is told as before."""
+    from launcher.api import Launcher
+    from launcher.serving.openai_app import _generation_failure, _overdue
+    from tests.model_factory import random_model_with_smollm2_tokenizer
+
+    model_dir = random_model_with_smollm2_tokenizer(tmp_path)
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, compile=False) as llm:
+        holder = llm.stream("a", max_new_tokens=150, ignore_eos=True)  # seconds: the other waits 0.3
+        next(holder)
+        started = time.monotonic()
+        llm.config.request_timeout_s = 0.3  # the requests submitted from here on
+        with pytest.raises(RequestTimeout) as queued:
+            list(llm.stream("b", max_new_tokens=4))
+        waited_s = time.monotonic() - started
+        holder_done = sum(1 for _ in holder)  # it runs on: the other's timeout did not touch it
+        with pytest.raises(RequestTimeout) as running:
+            list(llm.stream("c", max_new_tokens=480, ignore_eos=True))
+    assert holder_done > 0, waited_s
+    assert queued.value.waited_for_a_slot, (str(queued.value), waited_s)
+    assert "waited all that time for a sequence slot" in str(queued.value)
+    assert "max_num_seqs (--max-num-seqs)" in str(queued.value)
+    assert not running.value.waited_for_a_slot and "(it had delivered " in str(running.value)
+    # over HTTP: the 504 says it waited, not "ask for fewer tokens with max_tokens"
+    status, body, _ = _generation_failure(queued.value, overdue=_overdue("chatcmpl-1", 0.3, [0], [None], True),
+                                          waited_for_a_slot=True)
+    message = body["error"]["message"]
+    assert status == 504 and body["error"]["code"] == "generation_timeout"
+    assert message == ("response chatcmpl-1 did not finish within the request timeout (0.3 s): it waited all that "
+                       "time for a sequence slot, every one busy with other requests; retry it later, or have the "
+                       "server's operator raise its --max-num-seqs or --request-timeout")
+    status, body, _ = _generation_failure(running.value, overdue=_overdue("chatcmpl-2", 0.3, [5], [None]))
+    assert status == 504 and "ask for fewer tokens with max_tokens" in body["error"]["message"]
+
+
+def test_a_request_its_groups_restart_outlasted_is_told_to_retry(tmp_path, in_process_cluster, monkeypatch):
+    """Over a real in-process Launcher: the group fails mid-request and its restart (staged at 3 s)
+    outlasts the request's 1.5 s; the request is not resumed, and is told why and to retry, its 504
+    letting the client do so."""
+    from launcher.api import Launcher
+    from launcher.errors import WorkerDied
+    from launcher.serving.openai_app import _generation_failure, _overdue
+    from tests.in_process_cluster import TokenGate
+    from tests.model_factory import random_model_with_smollm2_tokenizer
+
+    model_dir = random_model_with_smollm2_tokenizer(tmp_path)
+    gate = TokenGate(monkeypatch, after=2)  # the request is still running when the fault is set
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, compile=False,
+                  request_timeout_s=1.5) as llm:
+        make = llm._pool._make_group
+
+        def slow_make(*args, **kwargs):
+            time.sleep(3.0)
+            return make(*args, **kwargs)
+
+        llm._pool._make_group = slow_make
+        stream = llm.stream("a", max_new_tokens=100, ignore_eos=True)
+        next(stream)
+        llm._group.fail_next(WorkerDied("rank 0 (in-process) died while serving"))
+        gate.release()
+        with pytest.raises(RequestTimeout) as lost:
+            for _ in stream:
+                pass
+        served_after = llm.generate(["b"], max_new_tokens=2)  # a retry: the restarted group serves it
+    assert lost.value.lost_to_a_restart and not lost.value.waited_for_a_slot, str(lost.value)
+    assert "its group failed and it was not resumed, its group's restart having outlasted that time; retry it" in \
+        str(lost.value)
+    assert len(served_after[0].token_ids) == 2
+    status, body, headers = _generation_failure(lost.value, overdue=_overdue("chatcmpl-3", 1.5, [2], [None]))
+    assert (status, body["error"]["code"], headers) == (504, "generation_timeout", {})  # no x-should-retry: false
+    assert body["error"]["message"] == ("response chatcmpl-3 did not finish within the request timeout (1.5 s); it "
+                                        "had delivered 2 tokens: its model failed and restarted meanwhile, and the "
+                                        "restart outlasted the request's time; retry it")
