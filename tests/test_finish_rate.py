@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 from launcher.cluster.finish_rate import KEPT, LONGEST_WAIT_S, WINDOW_S, FinishRate
 from tests.manual_clock import ManualClock
 
@@ -80,6 +82,10 @@ def test_a_full_queue_tells_the_wait_its_streams_ending_say(tmp_path, in_process
         clock.now += 5
         busy_pace = refused("d")  # c and d fill both rows; then both end at once
         busy.close()
+        deadline = time.monotonic() + 30  # the leader answers the closed streams' cancels
+        while not llm._pool._idle():
+            assert time.monotonic() < deadline, [r.cancelling for r in llm._pool.replicas]
+            time.sleep(0.05)
         clock.now += 300  # nothing in flight for five minutes
         after_idle = refused("d", "f")
     assert busy_pace == 5  # 15 s up to now over 3 ends

@@ -17,12 +17,12 @@ def test_a_request_that_never_got_a_slot_is_told_it_waited_for_one(tmp_path, in_
     the second, given a short one, waits behind it and times out; then one that held the slot
     times out too and is told as before."""
     from launcher.api import Launcher
-    from launcher.serving.openai_app import _generation_failure, _overdue
+    from launcher.serving.openai_app import _generation_failed
     from tests.model_factory import random_model_with_smollm2_tokenizer
 
     model_dir = random_model_with_smollm2_tokenizer(tmp_path)
     with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, compile=False) as llm:
-        holder = llm.stream("a", max_new_tokens=150, ignore_eos=True)  # seconds: the other waits 0.3
+        holder = llm.stream("a", max_new_tokens=300, ignore_eos=True)  # seconds: the other waits 0.3
         next(holder)
         started = time.monotonic()
         llm.config.request_timeout_s = 0.3  # the requests submitted from here on
@@ -37,16 +37,52 @@ def test_a_request_that_never_got_a_slot_is_told_it_waited_for_one(tmp_path, in_
     assert "waited all that time for a sequence slot" in str(queued.value)
     assert "max_num_seqs (--max-num-seqs)" in str(queued.value)
     assert not running.value.waited_for_a_slot and "(it had delivered " in str(running.value)
-    # over HTTP: the 504 says it waited, not "ask for fewer tokens with max_tokens"
-    status, body, _ = _generation_failure(queued.value, overdue=_overdue("chatcmpl-1", 0.3, [0], [None], True),
-                                          waited_for_a_slot=True)
+    # over HTTP, as the server tells each error: the 504 says it waited, not "ask for fewer tokens"
+    status, body, _ = _generation_failed(queued.value, "chatcmpl-1", [0], [None])
     message = body["error"]["message"]
     assert status == 504 and body["error"]["code"] == "generation_timeout"
     assert message == ("response chatcmpl-1 did not finish within the request timeout (0.3 s): it waited all that "
                        "time for a sequence slot, every one busy with other requests; retry it later, or have the "
                        "server's operator raise its --max-num-seqs or --request-timeout")
-    status, body, _ = _generation_failure(running.value, overdue=_overdue("chatcmpl-2", 0.3, [5], [None]))
+    # with several choices one choice's wait speaks for none of the others: told as before
+    status, body, _ = _generation_failed(queued.value, "chatcmpl-1", [0, 3], [None, None])
     assert status == 504 and "ask for fewer tokens with max_tokens" in body["error"]["message"]
+    status, body, _ = _generation_failed(running.value, "chatcmpl-2", [5], [None])
+    assert status == 504 and "ask for fewer tokens with max_tokens" in body["error"]["message"]
+
+
+def test_only_a_request_behind_a_full_set_of_plain_ones_surely_waits_for_a_slot():
+    """The leader seats requests in the books' order, but one with structured output may wait for its
+    grammar outside its queue while a later one takes the row: that one, flagged as waiting, was
+    told to raise --max-num-seqs though it held the only slot."""
+    from types import SimpleNamespace
+
+    from launcher.cluster.replica_pool import Replica
+
+    def held(structured):
+        return SimpleNamespace(request=SimpleNamespace(sampling=SimpleNamespace(structured_output=structured)))
+
+    books = {"s": held({"type": "json_object"}), "p": held(None), "q": held(None), "r": held(None)}
+    replica = SimpleNamespace(streams=books, pool=SimpleNamespace(rows=1))
+    assert Replica._surely_queued(replica) == {"q", "r"}  # p may hold the row while s builds its grammar
+    replica.pool.rows = 2
+    assert Replica._surely_queued(replica) == {"r"}
+
+
+def test_a_restarting_replica_with_empty_books_is_no_idle_pool():
+    """A full queue's Retry-After leaves idle time out (FinishRate.became_busy); a restart, or a
+    leader still owing cancels, with nothing in the books is a stall, which was told as a short wait."""
+    from types import SimpleNamespace
+
+    from launcher.cluster.replica_pool import ReplicaPool
+
+    def replica(state="serving", rows_taken=0):
+        return SimpleNamespace(state=state, rows_taken=lambda: rows_taken)
+
+    assert ReplicaPool._idle(SimpleNamespace(replicas=[replica(), replica(state="failed")]))
+    assert not ReplicaPool._idle(SimpleNamespace(replicas=[replica(), replica(state="restarting")]))
+    assert not ReplicaPool._idle(SimpleNamespace(replicas=[replica(state="starting")]))
+    assert not ReplicaPool._idle(SimpleNamespace(replicas=[replica(rows_taken=1)]))  # an owed cancel holds a row
 
 
 def test_a_request_its_groups_restart_outlasted_is_told_to_retry(tmp_path, in_process_cluster, monkeypatch):
@@ -55,7 +91,7 @@ def test_a_request_its_groups_restart_outlasted_is_told_to_retry(tmp_path, in_pr
     letting the client do so."""
     from launcher.api import Launcher
     from launcher.errors import WorkerDied
-    from launcher.serving.openai_app import _generation_failure, _overdue
+    from launcher.serving.openai_app import _generation_failed
     from tests.in_process_cluster import TokenGate
     from tests.model_factory import random_model_with_smollm2_tokenizer
 
@@ -82,7 +118,7 @@ def test_a_request_its_groups_restart_outlasted_is_told_to_retry(tmp_path, in_pr
     assert "its group failed and it was not resumed, its group's restart having outlasted that time; retry it" in \
         str(lost.value)
     assert len(served_after[0].token_ids) == 2
-    status, body, headers = _generation_failure(lost.value, overdue=_overdue("chatcmpl-3", 1.5, [2], [None]))
+    status, body, headers = _generation_failed(lost.value, "chatcmpl-3", [2], [None])
     assert (status, body["error"]["code"], headers) == (504, "generation_timeout", {})  # no x-should-retry: false
     assert body["error"]["message"] == ("response chatcmpl-3 did not finish within the request timeout (1.5 s); it "
                                         "had delivered 2 tokens: its model failed and restarted meanwhile, and the "

@@ -8,8 +8,9 @@ since the last end (a burst of ends and then a stall says the stall). With fewer
 window (long requests, or a pool that stopped ending them) it is the time since the last end, up
 to LONGEST_WAIT_S; only a pool where nothing has ended yet says the least wait, one second.
 
-Time with nothing in flight is no stall: when a request comes to an idle pool, the ends it holds are
-moved on by the idle time, as if it had not passed. A server idle for a minute told the first client
+Time with nothing in flight is no stall: when a request comes to an idle pool (no request in its
+books, no cancel owed, no group restarting: ReplicaPool._idle), the ends it holds are moved on by the
+idle time, as if it had not passed. A server idle for a minute told the first client
 its burst turned away to wait 60 s (the `openai` client waits that long).
 """
 

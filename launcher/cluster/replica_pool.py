@@ -234,6 +234,17 @@ class Replica:
             # else the group is restarting (or gone): no leader will answer, and the restart does
             # not resubmit what is no longer in the books, so the id is free at once
 
+    def _surely_queued(self) -> set[str]:
+        """The streams in the books that wait for a row: those with at least `rows` requests without
+        structured output before them. The leader seats requests in the books' order, but one with
+        structured output may wait for its grammar outside the queue while later ones take the rows."""
+        queued, plain_ahead = set(), 0
+        for request_id, handle in self.streams.items():
+            if plain_ahead >= (self.pool.rows or 0):
+                queued.add(request_id)
+            plain_ahead += handle.request.sampling.structured_output is None
+        return queued
+
     def _out_of_the_books(self, request_id: str) -> None:
         """A stream that ended here (finished, cancelled, timed out) leaves the replica's books, and
         the pool's pace of ends (a full queue's Retry-After) counts it; a stream moved elsewhere does
@@ -279,8 +290,7 @@ class Replica:
         now = time.monotonic()
         with self._streams_lock:
             late = [h for h in self.streams.values() if now > h.deadline]
-            # the books' order is the order the group takes them in: those past its rows wait for one
-            queued = set(list(self.streams)[self.pool.rows or 0:]) if late else set()
+            queued = self._surely_queued() if late else set()
             for handle in late:
                 self._out_of_the_books(handle.request_id)  # a queued request may take its place
                 if handle.request_id in self._handed:
@@ -670,7 +680,7 @@ def _overdue(handle: StreamHandle, what_then: str, waited_for_a_slot: bool = Fal
     if waited_for_a_slot:  # it was told to ask for fewer tokens, of which it had generated none
         return RequestTimeout(
             f"request {handle.request_id} did not finish within {handle.timeout_s:g} s: it waited all that time "
-            f"for a sequence slot, every one busy with requests before it; {what_then}. Retry it later, or raise "
+            f"for a sequence slot, every one busy with other requests; {what_then}. Retry it later, or raise "
             f"max_num_seqs (--max-num-seqs) or request_timeout_s (--request-timeout)",
             timeout_s=handle.timeout_s, waited_for_a_slot=True)
     return RequestTimeout(
@@ -824,7 +834,7 @@ class ReplicaPool:
                                 f"later, or raise max_queued_requests or max_num_seqs (--max-queued-requests, "
                                 f"--max-num-seqs)", retry_after_s=self.finish_rate.retry_after_s(), slots=rows,
                                 queue_limit=queue_limit)
-            if not any(self.in_flight()):
+            if self._idle():
                 self.finish_rate.became_busy()  # the time it stood idle is no stall of its ends
             for handle in handles:
                 # min() takes the first of equals: rotated, so ties do not all go to replica 0
@@ -857,6 +867,11 @@ class ReplicaPool:
         `rows` cache rows, and waiting for one."""
         flights = self.in_flight()
         return {"running": sum(min(n, rows) for n in flights), "waiting": sum(max(n - rows, 0) for n in flights)}
+
+    def _idle(self) -> bool:
+        """No request in any replica's books or rows (a cancel its leader owes holds one), and none
+        starting or restarting: a restart with empty books is a stall, not idle time."""
+        return not any(r.rows_taken() or r.state in ("starting", "restarting") for r in self.replicas)
 
     def in_flight(self) -> list[int]:
         """Streaming requests in flight on each replica."""

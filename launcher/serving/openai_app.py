@@ -612,6 +612,18 @@ def _generation_failure(err: Exception, token_limit: str = CHAT_TOKEN_LIMITS, ov
     return 500, proto.error_body(f"generation failed: {err}", type="server_error"), _NO_RETRY
 
 
+def _generation_failed(err: Exception, response_id: str | None, delivered: list[int], ended: list,
+                       token_limit: str = CHAT_TOKEN_LIMITS) -> tuple[int, dict, dict]:
+    """_generation_failure's answer, a timeout told in the client's terms (_overdue: its response's
+    id, each choice's delivered tokens and whether it had ended)."""
+    timeout_s = err.timeout_s if isinstance(err, RequestTimeout) else None
+    # None: not one request's own timeout (a hung group's), whose text says what happened
+    # several choices: one that waited for a slot speaks for one of them only
+    waited = isinstance(err, RequestTimeout) and err.waited_for_a_slot and len(delivered) == 1
+    return _generation_failure(err, token_limit, None if timeout_s is None
+                               else _overdue(response_id, timeout_s, delivered, ended, waited), waited)
+
+
 def _responses_usage(stream: ChoiceStreams, completion_tokens: int, render: ChatRender) -> dict:
     """The Responses usage of a request's one choice (the chat usage in the Responses form)."""
     return responses_api.usage(proto.usage(stream.prompt_tokens, completion_tokens, stream.cached_tokens,
@@ -1960,7 +1972,7 @@ class OpenAIServer:
             raise
         except Exception as err:  # noqa: BLE001 - reported to the client in the OpenAI shape
             # no response id: the client of an answer not streamed never learns it
-            status, body, headers = self._generation_failed(err, None, completion_tokens, finish, token_limit)
+            status, body, headers = _generation_failed(err, None, completion_tokens, finish, token_limit)
             self.metrics.finished(failure_reason(status), status)
             return JSONResponse(body, status_code=status, headers=headers)
         # one request, counted by its first choice's finish reason as the engine gave it (stop or length;
@@ -2032,25 +2044,14 @@ class OpenAIServer:
             for event in finished:
                 yield responses_api.sse(event)
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
-            outcome["status"], body, _ = self._generation_failed(err, events.response_id, [completion_tokens],
-                                                                 [sent_finish], RESPONSES_TOKEN_LIMIT)
+            outcome["status"], body, _ = _generation_failed(err, events.response_id, [completion_tokens],
+                                                            [sent_finish], RESPONSES_TOKEN_LIMIT)
             outcome["finish_reason"] = failure_reason(outcome["status"])
             for event in events.failed(body["error"]):
                 yield responses_api.sse(event)
         finally:  # failed, or the client left (its task maybe cancelled: nothing awaited here)
             if keep is not None:
                 keep.abandon()
-
-    def _generation_failed(self, err: Exception, response_id: str | None, delivered: list[int], ended: list,
-                           token_limit: str = CHAT_TOKEN_LIMITS) -> tuple[int, dict, dict]:
-        """_generation_failure's answer, a timeout told in the client's terms (_overdue: its response's
-        id, each choice's delivered tokens and whether it had ended)."""
-        timeout_s = err.timeout_s if isinstance(err, RequestTimeout) else None
-        # None: not one request's own timeout (a hung group's), whose text says what happened
-        # several choices: one that waited for a slot speaks for one of them only
-        waited = isinstance(err, RequestTimeout) and err.waited_for_a_slot and len(delivered) == 1
-        return _generation_failure(err, token_limit, None if timeout_s is None
-                                   else _overdue(response_id, timeout_s, delivered, ended, waited), waited)
 
     def _event_stream(self, events, stream: ChoiceStreams, outcome: dict) -> Response:
         """The server-sent events of a streamed answer; closing it closes the engine's streams and
@@ -2101,8 +2102,8 @@ class OpenAIServer:
                                                                     _reasoning_total(renders))))
             yield proto.SSE_DONE
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
-            outcome["status"], body, _ = self._generation_failed(err, meta.id, completion_tokens,
-                                                                 endings)  # headers are sent already
+            outcome["status"], body, _ = _generation_failed(err, meta.id, completion_tokens,
+                                                            endings)  # headers are sent already
             outcome["finish_reason"] = failure_reason(outcome["status"])
             yield proto.sse_event(body)
             yield proto.SSE_DONE
