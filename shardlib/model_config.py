@@ -644,10 +644,12 @@ def load_model_config(path: str | Path) -> ModelConfig:
         ) from None
     raw = read_config_json(config_file)
     config = ModelConfig.from_dict(raw, source=config_file)
-    if path.is_dir() and raw.get("torch_dtype") is None and raw.get("dtype") is None:
+    if raw.get("torch_dtype") is None and raw.get("dtype") is None:
         from shardlib.weights_dtype import stored_weights_dtype
 
-        stored = stored_weights_dtype(path)  # transformers' rule when config.json names no dtype
+        # transformers' rule when config.json names no dtype; its folder's weights too where the
+        # file itself was given (`plan --model DIR/config.json` planned float32 beside bf16 weights)
+        stored = stored_weights_dtype(config_file.parent)
         if stored is not None and stored != config.torch_dtype:
             config = dataclasses.replace(config, torch_dtype=stored)
     return config

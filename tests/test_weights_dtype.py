@@ -53,7 +53,18 @@ def test_float8_tensors_are_skipped_and_a_config_alone_is_float32(tmp_path):
     state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].to(torch.float8_e4m3fn)  # sorts first
     save_file(state, model_dir / "model.safetensors")
     assert load_model_config(model_dir).torch_dtype == "bfloat16"
-    assert load_model_config(model_dir / "config.json").torch_dtype == "float32"  # no weights to read it from
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "config.json").write_bytes((model_dir / "config.json").read_bytes())
+    assert load_model_config(alone / "config.json").torch_dtype == "float32"  # no weights to read it from
+
+
+def test_a_config_file_given_beside_its_weights_takes_their_dtype(tmp_path, capsys):
+    """`plan --model DIR/config.json` planned float32 beside bf16 weights: twice their memory."""
+    model_dir = _without_dtype(save_model(build_random_model().to(torch.bfloat16), tmp_path / "m"))
+    assert load_model_config(model_dir / "config.json").torch_dtype == "bfloat16"
+    assert main(["plan", "--model", str(model_dir / "config.json"), "--tp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
 
 
 def test_plan_sizes_a_bf16_checkpoint_without_dtype_as_bf16(tmp_path, capsys):
