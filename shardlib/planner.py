@@ -726,21 +726,28 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int], 
             need = (f"tp_degree ({tp}) needs {format_bytes(mem.total_bytes_per_rank)} per rank ({_parts(mem)}) "
                     f"but a rank on {inst.name} has {format_bytes(mem.usable_bytes_per_rank)} usable "
                     f"({format_bytes(mem.capacity_bytes_per_rank)} of {cores} less the "
-                    f"{RESERVE_FRACTION:.0%} reserve)")
+                    f"{RESERVE_FRACTION:.0%} reserve){_short_by(mem.total_bytes_per_rank, mem.usable_bytes_per_rank)}")
         else:
             on_one = check.ranks_per_node
-            whose = (f"for all {tp} ranks" if req.nodes == 1 else
-                     f"for the {on_one} ranks of one node ({tp} over {req.nodes} nodes)")
+            whose = (("for its one rank" if tp == 1 else f"for all {tp} ranks") if req.nodes == 1 else
+                     f"for the {on_one} rank{'' if on_one == 1 else 's'} of one node ({tp} over {req.nodes} nodes)")
             need = (f"tp_degree ({tp}) needs {format_bytes(mem.total_bytes_per_rank * on_one)} {whose} "
                     f"(per rank: {_parts(mem)}) but {'this host' if req.nodes == 1 else 'a node'} has "
                     f"{format_bytes(inst.memory_bytes)} RAM, "
                     f"{format_bytes(inst.memory_bytes * (1 - RESERVE_FRACTION))} after the "
-                    f"{RESERVE_FRACTION:.0%} reserve")
+                    f"{RESERVE_FRACTION:.0%} reserve"
+                    f"{_short_by(mem.total_bytes_per_rank * on_one, inst.memory_bytes * (1 - RESERVE_FRACTION))}")
         ways = [f"a degree that fits: {_fmt_list(hint_degrees)}"] if hint_degrees else []
         ways += _ways_out(req, check)
         return f"{need} ({req.rows_text()}, seq_len {req.seq_len}, {req.dtype}); ways out: " + (
             "; ".join(ways) if ways else req.nothing_fits())
     raise AssertionError(f"no message for rule {code}")
+
+
+def _short_by(needed: float, usable: float) -> str:
+    """The shortfall, said: both figures rounded alike read as if the layout fit ("needs 21.2 GiB ...
+    21.2 GiB after the 10% reserve")."""
+    return f", short by {format_bytes(needed - usable)}"
 
 
 # ---- the public entry point ---------------------------------------------------------------------

@@ -347,9 +347,25 @@ def test_cpu_nodes_never_pool_their_ram_for_one_rank():
         assert not p.valid and "insufficient_memory" in codes(p), nodes
         assert p.memory.capacity_bytes_per_rank == 24 * GIB
     text = message(plan(LLAMA_8B, instance=host, tp=1, nodes=2, dtype="float32", seq_len=1024), "insufficient_memory")
-    assert "for the 1 ranks of one node (1 over 2 nodes)" in text and "but a node has 24.0 GiB RAM" in text
+    assert "for the 1 rank of one node (1 over 2 nodes)" in text and "but a node has 24.0 GiB RAM" in text
     assert plan(LLAMA_8B, instance=host, tp=2, nodes=2, dtype="float32", seq_len=1024).valid
     assert not plan(LLAMA_8B, instance=host, tp=2, nodes=1, dtype="float32", seq_len=1024).valid
+
+
+def test_a_memory_refusal_says_its_shortfall_and_its_one_rank_as_one():
+    """Rounded alike, the need and the room read as if the layout fit ("needs 21.2 GiB for all 1 ranks
+    ... 21.2 GiB after the 10% reserve"): the shortfall is said, and one rank as one."""
+    from shardlib.planner import format_bytes
+
+    host = InstanceType(name="cpu", family="cpu", physical_cores=2, memory_bytes=24 * GIB)
+    p = plan(LLAMA_8B, instance=host, tp=1, dtype="float32", seq_len=1024)
+    short = p.memory.total_bytes_per_rank - host.memory_bytes * (1 - RESERVE_FRACTION)
+    text = message(p, "insufficient_memory")
+    assert " for its one rank (per rank: " in text and f"reserve, short by {format_bytes(short)} (" in text, text
+    trn1 = get_instance("trn1.32xlarge")
+    p = plan(LLAMA_8B, instance=trn1, tp=1, dtype="bfloat16", seq_len=4096)
+    short = p.memory.total_bytes_per_rank - p.memory.usable_bytes_per_rank
+    assert f"reserve), short by {format_bytes(short)} (" in message(p, "insufficient_memory")
 
 
 def test_serving_rows_count_in_memory_and_the_advised_batch_size_leaves_room_for_them():
