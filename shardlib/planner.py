@@ -568,6 +568,14 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
             if req.batch > 1 and batch_fits >= 1:
                 ways.append(f"a smaller batch_size (at most {batch_fits}"
                             + (f" besides the {req.serving_rows} serving rows)" if req.serving_rows else ")"))
+    if check.moe_sharding is not None and req.moe_override is None:
+        # the other sharding of the experts: with 1-byte weights expert_parallel holds fewer scales
+        # (each rank's experts' rows, not every expert's down rows), so a plan refused at the
+        # default tensor_parallel (equal elements: NxD's choice) fits with it and was never told
+        other = next(s for s in MOE_SHARDINGS if s != check.moe_sharding)
+        fits = _valid_degrees(dataclasses.replace(req, moe_override=other))
+        if check.tp in fits:
+            ways.append(f"--moe-sharding {other} fits at tp {_fmt_list(fits)}")
     for dtype in _LOWER_DTYPES:
         # A 1-byte dtype quantizes the weights: not for DBRX, and already done for a quantized
         # checkpoint (whose planning refuses any 1-byte dtype but its own: a crash here before).

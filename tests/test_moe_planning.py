@@ -122,6 +122,20 @@ def test_planner_picks_expert_parallel_when_tensor_parallel_would_pad():
     assert plan(MIXTRAL, instance="trn1.32xlarge", tp=8).moe_sharding == TENSOR_PARALLEL
 
 
+def test_a_memory_refusal_names_the_other_expert_sharding_where_it_fits():
+    """With 1-byte weights expert_parallel holds fewer float32 scales (its own experts' rows, not
+    every expert's down rows): a plan refused at the default tensor_parallel fitted with it, and its
+    ways out never said so."""
+    asked = dict(instance="trn1.32xlarge", tp=8, dtype="int8", seq_len=4096, batch_size=105, serving_rows=9)
+    refused = plan(QWEN3_MOE, **asked)
+    assert not refused.valid and refused.moe_sharding == TENSOR_PARALLEL
+    assert plan(QWEN3_MOE, **asked, moe_sharding=EXPERT_PARALLEL).valid
+    text = next(issue.message for issue in refused.errors if issue.code == "insufficient_memory")
+    assert "; --moe-sharding expert_parallel fits at tp 8, " in text, text
+    forced = plan(QWEN3_MOE, **asked, moe_sharding=TENSOR_PARALLEL)  # the user's own choice: not second-guessed
+    assert not forced.valid and "--moe-sharding" not in str(forced.errors)
+
+
 def test_forced_expert_parallel_needs_experts_divisible_by_tp():
     p = plan(MIXTRAL, instance="trn1.32xlarge", tp=32, moe_sharding=EXPERT_PARALLEL)
     assert not p.valid and "moe_sharding_incompatible" in p.error_codes
