@@ -76,8 +76,8 @@ of NxD Inference's and optimum-neuron's usual compiled configurations."""
 KV_STRATEGIES = ("shard", "replicate_to_tp", "convert_to_mha")
 _LOWER_DTYPES = ("bfloat16", "float8_e4m3")  # suggested in this order when memory runs out
 _MAX_SUGGESTED_NODES = 8
-_NOTHING_FITS = ("none found with up to {nodes} nodes, the known instances and the lower-precision "
-                 "dtypes; a smaller seq_len or {rows} only shrinks the KV cache")
+_NOTHING_FITS = ("none found with up to {nodes} nodes{instances} and the lower-precision dtypes; a smaller "
+                 "seq_len or {rows} only shrinks the KV cache")
 QUANTIZE_DTYPE = {"float8_e4m3": "f8e4m3"}
 """The 1-byte dtypes a way out names, as `corelaunch quantize --dtype` spells them: a launch's --dtype
 takes the compute dtypes alone, so 1-byte weights come from a checkpoint quantize writes."""
@@ -321,7 +321,9 @@ class _Request:
         """The ways-out text when no change the planner tries fits: what else shrinks the cache
         (no batch_size to lower where there is no static batch)."""
         rows = "batch_size" if self.batch else "fewer serving rows (--max-num-seqs)"
-        return _NOTHING_FITS.format(nodes=_MAX_SUGGESTED_NODES, rows=rows)
+        # other instances are tried for Neuron targets alone (_ways_out)
+        instances = ", the known instances" if self.inst.is_neuron else ""
+        return _NOTHING_FITS.format(nodes=_MAX_SUGGESTED_NODES, instances=instances, rows=rows)
 
 
 @dataclass(frozen=True)
@@ -603,9 +605,10 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
 def _node_count_ways(req: _Request) -> list[str]:
     """The nearest node counts (more, and fewer where none works at this count) with degrees that
     pass every rule."""
-    ways = []
+    ways, here = [], set(_valid_degrees(req))
     for nodes in range(req.nodes + 1, _MAX_SUGGESTED_NODES + 1):
-        fits = _valid_degrees(dataclasses.replace(req, nodes=nodes))
+        # the degrees more nodes make work: one that works already is "a degree that fits"
+        fits = [tp for tp in _valid_degrees(dataclasses.replace(req, nodes=nodes)) if tp not in here]
         if fits:
             ways.append(f"more nodes: --nodes {nodes} fits at tp {_fmt_list(fits)}")
             break

@@ -656,3 +656,17 @@ def test_trn2_refuses_tp_64_at_lnc_1_naming_lnc_2():
     assert plan(LLAMA_405B, instance="trn2.48xlarge", tp=128, lnc=1, nodes=2, seq_len=1024).valid
     # auto at LNC 1 never picks 64: a model that needs more than 32 ranks' memory gets 128
     assert plan(LLAMA_405B, instance="trn2.48xlarge", lnc=1, seq_len=1024).tp_degree == 128
+
+
+def test_more_nodes_names_only_the_degrees_they_make_work():
+    """"more nodes: --nodes 2 fits at tp 16, 32, 64" named degrees that fit on the one node asked,
+    already offered as "a degree that fits"; only 64 needs the second node."""
+    text = message(plan(QWEN_72B, instance="trn1.32xlarge", tp=6), "insufficient_memory")
+    assert "a degree that fits: 16, 32;" in text and "more nodes: --nodes 2 fits at tp 64;" in text, text
+
+
+def test_on_cpu_nothing_fits_names_no_instances_it_never_tried():
+    """Other instances are tried for Neuron targets alone: on cpu the refusal claimed them too."""
+    host = InstanceType(name="cpu", family="cpu", physical_cores=2, memory_bytes=24 * GIB)
+    text = message(plan(LLAMA_405B, instance=host, tp=1, dtype="float32", seq_len=1024), "insufficient_memory")
+    assert "none found with up to 8 nodes and the lower-precision dtypes;" in text, text
