@@ -2668,6 +2668,10 @@ def test_a_render_arriving_after_a_later_one_leaves_the_later_on_the_board():
     assert board.gather("b2", b"", 0)["a1"] == scraped
     board.put("a1", scraped + b"# later\n", scraped_number + 1)
     assert board.gather("b2", b"", 1)["a1"] == scraped + b"# later\n"
+    # a1 stops: a periodic post it rendered before its drop, arriving after, does not bring it back
+    board.drop("a1")
+    board.put("a1", scraped, scraped_number + 2)
+    assert sorted(board.gather("b2", b"", 2)) == ["b2"]
 
 
 

@@ -32,12 +32,17 @@ class MetricsBoard:
 
     def __init__(self) -> None:
         self._texts: dict[str, tuple[float, int, bytes]] = {}  # replica: (arrived, its render's number, text)
+        self._dropped: set[str] = set()
+        """Replicas that stopped (drop): a periodic post rendered before the stop but arriving after its
+        drop showed a cleanly stopped replica again for up to STALE_AFTER_S. Serve never reuses an id."""
 
     def put(self, replica: str, text: bytes, rendered: int) -> None:
         """Keep `text` unless the replica's board already holds a later render of its (`rendered`
         counts its renders): a periodic post rendered before a scrape's but arriving after it
         replaced the newer text, and the next scrape showed a counter going back, a reset to
         Prometheus."""
+        if replica in self._dropped:
+            return
         held = self._texts.get(replica)
         now = time.monotonic()
         if held is not None and held[1] > rendered:
@@ -54,6 +59,7 @@ class MetricsBoard:
 
     def drop(self, replica: str) -> None:
         self._texts.pop(replica, None)
+        self._dropped.add(replica)
 
 
 def board_for(app_name: str):
