@@ -648,8 +648,9 @@ def load_model_config(path: str | Path) -> ModelConfig:
         from shardlib.weights_dtype import stored_weights_dtype
 
         # transformers' rule when config.json names no dtype; its folder's weights too where the
-        # file itself was given (`plan --model DIR/config.json` planned float32 beside bf16 weights)
-        stored = stored_weights_dtype(config_file.parent)
+        # file itself was given (`plan --model DIR/config.json` planned float32 beside bf16 weights),
+        # not beside another JSON file, which may sit among another model's weights
+        stored = stored_weights_dtype(config_file.parent) if config_file.name == "config.json" else None
         if stored is not None and stored != config.torch_dtype:
             config = dataclasses.replace(config, torch_dtype=stored)
     return config

@@ -121,5 +121,88 @@ def test_a_request_its_groups_restart_outlasted_is_told_to_retry(tmp_path, in_pr
     status, body, headers = _generation_failed(lost.value, "chatcmpl-3", [2], [None])
     assert (status, body["error"]["code"], headers) == (504, "generation_timeout", {})  # no x-should-retry: false
     assert body["error"]["message"] == ("response chatcmpl-3 did not finish within the request timeout (1.5 s); it "
-                                        "had delivered 2 tokens: its model failed and restarted meanwhile, and the "
-                                        "restart outlasted the request's time; retry it")
+                                        "had delivered 2 tokens: its model failed meanwhile, and restarting it "
+                                        "outlasted the request's time; retry it")
+
+
+def test_a_reader_that_stops_waiting_during_a_long_restart_is_told_to_retry(tmp_path, in_process_cluster,
+                                                                             monkeypatch):
+    """A real model's reload outlasts the reader's grace past the deadline (30 s; here 0.5 s): the
+    reader gave up first, with its own timeout, told as "ask for fewer tokens" and not to retry."""
+    from launcher.api import Launcher
+    from launcher.errors import WorkerDied
+    from launcher.serving import request_streams
+    from launcher.serving.openai_app import _generation_failed
+    from tests.in_process_cluster import TokenGate
+    from tests.model_factory import random_model_with_smollm2_tokenizer
+
+    monkeypatch.setattr(request_streams, "_GRACE_S", 0.5)
+    model_dir = random_model_with_smollm2_tokenizer(tmp_path)
+    gate = TokenGate(monkeypatch, after=2)
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, compile=False,
+                  request_timeout_s=1.5) as llm:
+        make = llm._pool._make_group
+
+        def slow_make(*args, **kwargs):
+            time.sleep(5.0)  # past the deadline and the grace: the reader gives up while it restarts
+            return make(*args, **kwargs)
+
+        llm._pool._make_group = slow_make
+        stream = llm.stream("a", max_new_tokens=100, ignore_eos=True)
+        next(stream)
+        llm._group.fail_next(WorkerDied("rank 0 (in-process) died while serving"))
+        gate.release()
+        with pytest.raises(RequestTimeout) as lost:
+            for _ in stream:
+                pass
+    assert lost.value.lost_to_a_restart, str(lost.value)
+    assert "its group failed and is still restarting; retry it once the replica serves again" in str(lost.value)
+    status, body, headers = _generation_failed(lost.value, "chatcmpl-4", [2], [None])
+    assert (status, headers) == (504, {}) and body["error"]["message"].endswith(
+        "restarting it outlasted the request's time; retry it")
+
+
+def test_a_fault_found_on_an_idle_pool_leaves_the_idle_time_out_of_retry_after(tmp_path, in_process_cluster):
+    """The health check finds a dead rank on an idle pool: the restart is the pool's work from then
+    on, so the time it stood idle before is no stall (a full queue during the restart said 60 s)."""
+    from launcher.api import Launcher
+    from launcher.cluster.finish_rate import FinishRate
+    from launcher.errors import QueueFull
+    from tests.manual_clock import ManualClock
+    from tests.model_factory import random_model_with_smollm2_tokenizer
+
+    model_dir = random_model_with_smollm2_tokenizer(tmp_path)
+    with Launcher(model=model_dir, tp=1, max_num_seqs=2, max_queued_requests=0, progress=False,
+                  compile=False) as llm:
+        llm.generate(["a"], max_new_tokens=2)
+        clock = ManualClock(1000.0)
+        llm._pool.finish_rate = FinishRate(clock)
+        busy = llm.stream("c", max_new_tokens=400, ignore_eos=True)  # the pool busy till it closes
+        next(busy)
+        for _ in range(3):  # three requests end beside it, 5 s apart on the clock
+            clock.now += 5
+            llm.generate(["b"], max_new_tokens=2)
+        busy.close()  # a fourth end
+        replica = llm._pool.replicas[0]
+        deadline = time.monotonic() + 30
+        while not llm._pool._idle():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        clock.now += 300  # idle
+        make = llm._pool._make_group
+
+        def slow_make(*args, **kwargs):
+            time.sleep(5.0)
+            return make(*args, **kwargs)
+
+        llm._pool._make_group = slow_make
+        llm._group.kill_rank(0)
+        while replica.state != "restarting":
+            assert time.monotonic() < deadline + 30, replica.state
+            time.sleep(0.05)
+        waiting = [llm.stream(p, max_new_tokens=2) for p in ("d", "f")]  # booked there: both rows taken
+        with pytest.raises(QueueFull) as refused:
+            llm.stream("e", max_new_tokens=2)
+        for stream in waiting:
+            list(stream)
+    assert refused.value.retry_after_s == 3  # 15 s over 4 ends, the idle 300 s left out (60 before)

@@ -65,6 +65,9 @@ def test_a_config_file_given_beside_its_weights_takes_their_dtype(tmp_path, caps
     assert load_model_config(model_dir / "config.json").torch_dtype == "bfloat16"
     assert main(["plan", "--model", str(model_dir / "config.json"), "--tp", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
+    # another JSON file is no model folder's own config: the weights beside it may be another model's
+    (model_dir / "planned-llama.json").write_bytes((model_dir / "config.json").read_bytes())
+    assert load_model_config(model_dir / "planned-llama.json").torch_dtype == "float32"
 
 
 def test_plan_sizes_a_bf16_checkpoint_without_dtype_as_bf16(tmp_path, capsys):

@@ -439,6 +439,7 @@ class Replica:
         """Submit a stream's request to the group (its timeout is what the hung-group check allows).
         counted: an attempt (a stream moved here from a replica where it only waited is not one)."""
         handle.attempts += counted
+        handle.restarting = False
         self._stall_limit_s = handle.own_timeout_s
         self._handed.add(handle.request_id)
         self.started.group.submit([request])
@@ -543,8 +544,13 @@ class Replica:
         restart at all."""
         noticed = time.monotonic()
         failed_attempts = 0
+        idle = self.pool._idle()  # a fault found on an idle pool (the health check): its idle time is no stall
         with self._streams_lock:  # a cancel_stream that saw "serving" has handed its cancel to the old group
             self.state = "restarting"
+            for handle in self.streams.values():
+                handle.restarting = True  # a reader giving up meanwhile says so (request_streams)
+        if idle:
+            self.pool.finish_rate.became_busy()
         if self.started is not None:
             self.started.group.kill()
         while True:

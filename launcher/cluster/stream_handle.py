@@ -41,6 +41,9 @@ class StreamHandle:
         """The index of the first token each resumed attempt produced (len(delivered) at each
         resume): the gap before it is the restart, and its time comes from another rank 0's clock."""
         self.replica: int | None = None
+        self.restarting = False
+        """Its replica's group failed and is being restarted (set by the replica, cleared when a group
+        takes it): a reader that stops waiting meanwhile tells its client the restart took its time."""
         self.cancelled = False
         """Its cancel reached the replica that had it in flight."""
         self.closing = False

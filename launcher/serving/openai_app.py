@@ -593,8 +593,8 @@ def _generation_failure(err: Exception, token_limit: str = CHAT_TOKEN_LIMITS, ov
         waited_for_a_slot = getattr(err, "waited_for_a_slot", False)
     if isinstance(err, RequestTimeout) and err.lost_to_a_restart:  # a retry is served: the client may retry it
         return 504, proto.error_body(
-            f"{overdue}: its model failed and restarted meanwhile, and the restart outlasted the request's time; "
-            f"retry it" if overdue else str(err), type="server_error", code="generation_timeout"), {}
+            f"{overdue}: its model failed meanwhile, and restarting it outlasted the request's time; retry it"
+            if overdue else str(err), type="server_error", code="generation_timeout"), {}
     if isinstance(err, RequestTimeout) and waited_for_a_slot:
         return 504, proto.error_body(
             f"{overdue}: it waited all that time for a sequence slot, every one busy with other requests; retry it "

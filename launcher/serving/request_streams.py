@@ -144,6 +144,13 @@ class _Stream:
 
     def _overdue(self, waited_s: float) -> RequestTimeout:
         """A LaunchError, as the replica's own timeout is (the CLI names it in one line, not a traceback)."""
+        if self.handle.restarting:  # a real model's reload outlasts the grace: the restart took its time
+            return RequestTimeout(
+                f"request {self.request_id} got no answer within {waited_s:.1f} s, and is now at least {_GRACE_S:g} s "
+                f"past its request timeout ({self.handle.timeout_s:g} s from submission): its group failed and is "
+                f"still restarting; retry it once the replica serves again, or raise request_timeout_s "
+                f"(--request-timeout) to have such requests resumed", timeout_s=self.handle.timeout_s,
+                lost_to_a_restart=True)
         return RequestTimeout(  # one request's own (timeout_s): the server tells it in its client's terms
             f"request {self.request_id} got no answer within {waited_s:.1f} s, and is now at least {_GRACE_S:g} s past "
             f"its request timeout ({self.handle.timeout_s:g} s from submission): its replica reported nothing, not "
