@@ -85,13 +85,22 @@ def test_a_restarting_replica_with_empty_books_is_no_idle_pool():
     assert not ReplicaPool._idle(SimpleNamespace(replicas=[replica(rows_taken=1)]))  # an owed cancel holds a row
 
 
-def test_a_request_its_groups_restart_outlasted_is_told_to_retry(tmp_path, in_process_cluster, monkeypatch):
-    """Over a real in-process Launcher: the group fails mid-request and its restart (staged at 3 s)
-    outlasts the request's 1.5 s; the request is not resumed, and is told why and to retry, its 504
-    letting the client do so."""
+def _slow_restarts(llm, seconds: float) -> None:
+    """Each new group of the launcher's takes `seconds` longer to start: a staged restart."""
+    make = llm._pool._make_group
+
+    def slow_make(*args, **kwargs):
+        time.sleep(seconds)
+        return make(*args, **kwargs)
+
+    llm._pool._make_group = slow_make
+
+
+def _lost_to_a_restart(tmp_path, monkeypatch, restart_s: float, served_after: bool = False):
+    """A request (1.5 s to finish) whose one-rank group fails two tokens in and restarts in
+    restart_s: its RequestTimeout, and with served_after the tokens of a request sent after it."""
     from launcher.api import Launcher
     from launcher.errors import WorkerDied
-    from launcher.serving.openai_app import _generation_failed
     from tests.in_process_cluster import TokenGate
     from tests.model_factory import random_model_with_smollm2_tokenizer
 
@@ -99,13 +108,7 @@ def test_a_request_its_groups_restart_outlasted_is_told_to_retry(tmp_path, in_pr
     gate = TokenGate(monkeypatch, after=2)  # the request is still running when the fault is set
     with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, compile=False,
                   request_timeout_s=1.5) as llm:
-        make = llm._pool._make_group
-
-        def slow_make(*args, **kwargs):
-            time.sleep(3.0)
-            return make(*args, **kwargs)
-
-        llm._pool._make_group = slow_make
+        _slow_restarts(llm, restart_s)
         stream = llm.stream("a", max_new_tokens=100, ignore_eos=True)
         next(stream)
         llm._group.fail_next(WorkerDied("rank 0 (in-process) died while serving"))
@@ -113,12 +116,22 @@ def test_a_request_its_groups_restart_outlasted_is_told_to_retry(tmp_path, in_pr
         with pytest.raises(RequestTimeout) as lost:
             for _ in stream:
                 pass
-        served_after = llm.generate(["b"], max_new_tokens=2)  # a retry: the restarted group serves it
-    assert lost.value.lost_to_a_restart and not lost.value.waited_for_a_slot, str(lost.value)
+        after = llm.generate(["b"], max_new_tokens=2)[0].token_ids if served_after else None
+    return lost.value, after
+
+
+def test_a_request_its_groups_restart_outlasted_is_told_to_retry(tmp_path, in_process_cluster, monkeypatch):
+    """Over a real in-process Launcher: the group fails mid-request and its restart (staged at 3 s)
+    outlasts the request's 1.5 s; the request is not resumed, and is told why and to retry, its 504
+    letting the client do so."""
+    from launcher.serving.openai_app import _generation_failed
+
+    lost, served_after = _lost_to_a_restart(tmp_path, monkeypatch, 3.0, served_after=True)
+    assert lost.lost_to_a_restart and not lost.waited_for_a_slot, str(lost)
     assert "its group failed and it was not resumed, its group's restart having outlasted that time; retry it" in \
-        str(lost.value)
-    assert len(served_after[0].token_ids) == 2
-    status, body, headers = _generation_failed(lost.value, "chatcmpl-3", [2], [None])
+        str(lost)
+    assert len(served_after) == 2  # a retry: the restarted group serves it
+    status, body, headers = _generation_failed(lost, "chatcmpl-3", [2], [None])
     assert (status, body["error"]["code"], headers) == (504, "generation_timeout", {})  # no x-should-retry: false
     assert body["error"]["message"] == ("response chatcmpl-3 did not finish within the request timeout (1.5 s); it "
                                         "had delivered 2 tokens: its model failed meanwhile, and restarting it "
@@ -129,35 +142,14 @@ def test_a_reader_that_stops_waiting_during_a_long_restart_is_told_to_retry(tmp_
                                                                              monkeypatch):
     """A real model's reload outlasts the reader's grace past the deadline (30 s; here 0.5 s): the
     reader gave up first, with its own timeout, told as "ask for fewer tokens" and not to retry."""
-    from launcher.api import Launcher
-    from launcher.errors import WorkerDied
     from launcher.serving import request_streams
     from launcher.serving.openai_app import _generation_failed
-    from tests.in_process_cluster import TokenGate
-    from tests.model_factory import random_model_with_smollm2_tokenizer
 
     monkeypatch.setattr(request_streams, "_GRACE_S", 0.5)
-    model_dir = random_model_with_smollm2_tokenizer(tmp_path)
-    gate = TokenGate(monkeypatch, after=2)
-    with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, compile=False,
-                  request_timeout_s=1.5) as llm:
-        make = llm._pool._make_group
-
-        def slow_make(*args, **kwargs):
-            time.sleep(5.0)  # past the deadline and the grace: the reader gives up while it restarts
-            return make(*args, **kwargs)
-
-        llm._pool._make_group = slow_make
-        stream = llm.stream("a", max_new_tokens=100, ignore_eos=True)
-        next(stream)
-        llm._group.fail_next(WorkerDied("rank 0 (in-process) died while serving"))
-        gate.release()
-        with pytest.raises(RequestTimeout) as lost:
-            for _ in stream:
-                pass
-    assert lost.value.lost_to_a_restart, str(lost.value)
-    assert "its group failed and is still restarting; retry it once the replica serves again" in str(lost.value)
-    status, body, headers = _generation_failed(lost.value, "chatcmpl-4", [2], [None])
+    lost, _ = _lost_to_a_restart(tmp_path, monkeypatch, 5.0)  # past the deadline and the grace
+    assert lost.lost_to_a_restart, str(lost)
+    assert "its group failed and is still restarting; retry it once the replica serves again" in str(lost)
+    status, body, headers = _generation_failed(lost, "chatcmpl-4", [2], [None])
     assert (status, headers) == (504, {}) and body["error"]["message"].endswith(
         "restarting it outlasted the request's time; retry it")
 
@@ -189,13 +181,7 @@ def test_a_fault_found_on_an_idle_pool_leaves_the_idle_time_out_of_retry_after(t
             assert time.monotonic() < deadline
             time.sleep(0.05)
         clock.now += 300  # idle
-        make = llm._pool._make_group
-
-        def slow_make(*args, **kwargs):
-            time.sleep(5.0)
-            return make(*args, **kwargs)
-
-        llm._pool._make_group = slow_make
+        _slow_restarts(llm, 5.0)
         llm._group.kill_rank(0)
         while replica.state != "restarting":
             assert time.monotonic() < deadline + 30, replica.state
