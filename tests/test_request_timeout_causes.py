@@ -97,7 +97,7 @@ def _slow_restarts(llm, seconds: float) -> None:
 
 
 def _lost_to_a_restart(tmp_path, monkeypatch, restart_s: float, served_after: bool = False):
-    """A request (1.5 s to finish) whose one-rank group fails two tokens in and restarts in
+    """A request (2.5 s to finish) whose one-rank group fails two tokens in and restarts in
     restart_s: its RequestTimeout, and with served_after the tokens of a request sent after it."""
     from launcher.api import Launcher
     from launcher.errors import WorkerDied
@@ -107,7 +107,7 @@ def _lost_to_a_restart(tmp_path, monkeypatch, restart_s: float, served_after: bo
     model_dir = random_model_with_smollm2_tokenizer(tmp_path)
     gate = TokenGate(monkeypatch, after=2)  # the request is still running when the fault is set
     with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, compile=False,
-                  request_timeout_s=1.5) as llm:
+                  request_timeout_s=2.5) as llm:
         _slow_restarts(llm, restart_s)
         stream = llm.stream("a", max_new_tokens=100, ignore_eos=True)
         next(stream)
@@ -121,19 +121,19 @@ def _lost_to_a_restart(tmp_path, monkeypatch, restart_s: float, served_after: bo
 
 
 def test_a_request_its_groups_restart_outlasted_is_told_to_retry(tmp_path, in_process_cluster, monkeypatch):
-    """Over a real in-process Launcher: the group fails mid-request and its restart (staged at 3 s)
-    outlasts the request's 1.5 s; the request is not resumed, and is told why and to retry, its 504
+    """Over a real in-process Launcher: the group fails mid-request and its restart (staged at 5 s)
+    outlasts the request's 2.5 s; the request is not resumed, and is told why and to retry, its 504
     letting the client do so."""
     from launcher.serving.openai_app import _generation_failed
 
-    lost, served_after = _lost_to_a_restart(tmp_path, monkeypatch, 3.0, served_after=True)
+    lost, served_after = _lost_to_a_restart(tmp_path, monkeypatch, 5.0, served_after=True)
     assert lost.lost_to_a_restart and not lost.waited_for_a_slot, str(lost)
     assert "its group failed and it was not resumed, its group's restart having outlasted that time; retry it" in \
         str(lost)
     assert len(served_after) == 2  # a retry: the restarted group serves it
     status, body, headers = _generation_failed(lost, "chatcmpl-3", [2], [None])
     assert (status, body["error"]["code"], headers) == (504, "generation_timeout", {})  # no x-should-retry: false
-    assert body["error"]["message"] == ("response chatcmpl-3 did not finish within the request timeout (1.5 s); it "
+    assert body["error"]["message"] == ("response chatcmpl-3 did not finish within the request timeout (2.5 s); it "
                                         "had delivered 2 tokens: its model failed meanwhile, and restarting it "
                                         "outlasted the request's time; retry it")
 
@@ -146,7 +146,7 @@ def test_a_reader_that_stops_waiting_during_a_long_restart_is_told_to_retry(tmp_
     from launcher.serving.openai_app import _generation_failed
 
     monkeypatch.setattr(request_streams, "_GRACE_S", 0.5)
-    lost, _ = _lost_to_a_restart(tmp_path, monkeypatch, 5.0)  # past the deadline and the grace
+    lost, _ = _lost_to_a_restart(tmp_path, monkeypatch, 8.0)  # past the deadline and the grace
     assert lost.lost_to_a_restart, str(lost)
     assert "its group failed and is still restarting; retry it once the replica serves again" in str(lost)
     status, body, headers = _generation_failed(lost, "chatcmpl-4", [2], [None])
